@@ -1,0 +1,37 @@
+"""Incremental detokenisation for streaming: text grows token by token and never splits a multi-byte character.
+
+Byte-level BPE tokens can end in the middle of a UTF-8 character, and a token's text can depend on its neighbours
+(leading spaces). So we decode a short window ending at the new tokens and emit what it adds over the window without
+them; while the window ends in U+FFFD (an incomplete character) we wait for the next token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONTEXT_TOKENS = 6  # prompt tokens used as left context for the first output tokens
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the text they complete (possibly empty)."""
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta

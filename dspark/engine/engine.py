@@ -1,0 +1,288 @@
+"""LLMEngine: add_request / step / abort over the scheduler and the model runner, plus output processing."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dspark.config import EngineConfig, SamplingParams
+from dspark.engine.detokenizer import IncrementalDetokenizer
+from dspark.engine.kv_cache import KVCacheManager
+from dspark.engine.request import Logprob, Request, RequestStatus
+from dspark.engine.scheduler import Scheduler
+from dspark.errors import ConfigError, DSparkError
+from dspark.models.loader import load_model
+from dspark.models.registry import resolve_model
+from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dspark.tokenizer import load_tokenizer
+from dspark.worker.model_runner import ModelRunner, kv_bytes_per_block
+from dspark.worker.sampler import SampledRow
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detok: IncrementalDetokenizer
+    text: str = ""  # visible text so far (stop strings cut it)
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", name, "CUDA is not available here; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    # NOTE: "auto" is bf16 on GPUs and fp32 on CPU, where bf16 matmuls are slower on most processors.
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        path = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else path)
+        self.model = load_model(path, self.dtype, self.device)
+        self.model_config = self.model.config
+        mcfg = self.model_config
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ConfigError(
+                "max_model_len",
+                self.max_model_len,
+                f"at most the model's context length, {mcfg.max_position_embeddings}",
+            )
+        num_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ConfigError(
+                "max_model_len",
+                self.max_model_len,
+                f"at most the KV cache's {num_blocks * config.block_size} tokens "
+                f"({num_blocks} blocks of {config.block_size}); lower max_model_len or give the cache more memory",
+            )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(config, self.model, self.device, self.dtype, num_blocks)
+        self.eos_token_id = (
+            self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else mcfg.eos_token_id
+        )
+        self._rng = random.Random(config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._counter = 0
+        self.stats = {
+            "num_requests_finished": 0,
+            "num_requests_aborted": 0,
+            "num_prompt_tokens": 0,
+            "num_generation_tokens": 0,
+            "num_steps": 0,
+        }
+
+    def _kv_blocks_that_fit(self) -> int:
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations and logits of the largest step.
+            reserve = 2 * self.config.max_num_batched_tokens * self.model_config.vocab_size * 4 + (1 << 30)
+            budget = total * self.config.gpu_memory_utilization - (total - free) - reserve
+        else:
+            budget = self.config.kv_cache_memory_gb * (1 << 30)
+        return max(1, int(budget // per_block))
+
+    # ---- requests -------------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ConfigError("prompt_token_ids", bad, f"token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ConfigError("prompt", prompt, "must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ConfigError(
+                "prompt",
+                f"<{len(ids)} tokens>",
+                f"at most max_model_len - 1 = {self.max_model_len - 1} tokens, so that one can be generated",
+            )
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+        if request_id in self._tracked:
+            raise ConfigError("request_id", request_id, "must be unique among unfinished requests")
+        self._counter += 1
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(request_id, text, ids, params, seed, self.eos_token_id)
+        self._tracked[request_id] = _Tracked(
+            req, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        )
+        self.scheduler.add(req)
+        self.stats["num_prompt_tokens"] += len(ids)
+        return request_id
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            tracked = self._tracked.pop(rid, None)
+            if tracked is not None:
+                self._finish(tracked.request, RequestStatus.FINISHED_ABORTED)
+                self.stats["num_requests_aborted"] += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._tracked)
+
+    # ---- the step -------------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that produced a token or finished."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.has_unfinished():
+                raise DSparkError("scheduler made no progress: the KV cache cannot hold even one request")
+            return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            s.request.first_scheduled_time = s.request.first_scheduled_time or now
+        result = self.runner.execute(sched)
+        self.stats["num_steps"] += 1
+        now = time.monotonic()
+        outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(req)
+            sampled = result.sampled.get(req.request_id)
+            if sampled is not None:
+                req.first_token_time = req.first_token_time or now
+                outputs.append(self._process(req, sampled, now))
+        return outputs
+
+    def _process(self, req: Request, sampled: SampledRow, now: float) -> RequestOutput:
+        tracked = self._tracked[req.request_id]
+        p = req.sampling_params
+        token = sampled.token_id
+        req.all_token_ids.append(token)
+        self.stats["num_generation_tokens"] += 1
+        if sampled.logprob is not None:
+            entry = {token: Logprob(sampled.logprob, sampled.rank or 1)}
+            for tid, lp in sampled.top_logprobs or []:
+                entry.setdefault(tid, Logprob(lp, 0))
+            for rank, tid in enumerate(t for t, _ in sampled.top_logprobs or []):
+                entry[tid].rank = rank + 1
+            for tid, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([tid])
+            req.logprobs.append(entry)
+            req.cumulative_logprob += sampled.logprob
+
+        delta = tracked.detok.add([token])
+        status = None
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if token == req.eos_token_id and not p.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in p.stop_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        tracked.text += delta
+        if status is None and delta and p.stop and n_out >= p.min_tokens:
+            status = self._check_stop_strings(tracked, len(delta))
+        if status is None and (
+            (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self._finish(req, status, now)
+            del self._tracked[req.request_id]
+        return self._output(tracked, finished=status is not None)
+
+    def _check_stop_strings(self, tracked: _Tracked, delta_len: int) -> RequestStatus | None:
+        req, p = tracked.request, tracked.request.sampling_params
+        text = tracked.text
+        best: tuple[int, str] | None = None
+        for stop in p.stop:
+            start = max(0, len(text) - delta_len - len(stop) + 1)
+            idx = text.find(stop, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        tracked.text = text[: idx + len(stop)] if p.include_stop_str_in_output else text[:idx]
+        req.stop_reason = stop
+        return RequestStatus.FINISHED_STOPPED
+
+    def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
+        self.scheduler.finish(req, status)
+        req.finished_time = now or time.monotonic()
+        if status is not RequestStatus.FINISHED_ABORTED:
+            self.stats["num_requests_finished"] += 1
+
+    def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
+        req = tracked.request
+        # While a stop string could still be completing, hold back its possible beginning from the stream.
+        visible = len(tracked.text) if finished else max(0, len(tracked.text) - req.sampling_params.stop_text_margin)
+        visible = max(visible, tracked.num_sent_chars)
+        new_text = tracked.text[tracked.num_sent_chars : visible]
+        new_ids = req.output_token_ids[tracked.num_sent_tokens :]
+        tracked.num_sent_chars, tracked.num_sent_tokens = visible, req.num_output_tokens
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.text,
+            token_ids=req.output_token_ids,
+            cumulative_logprob=req.cumulative_logprob if req.sampling_params.logprobs is not None else None,
+            logprobs=req.logprobs if req.sampling_params.logprobs is not None else None,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_generation_tokens=req.num_output_tokens,
+            num_preemptions=req.num_preemptions,
+        )
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics, new_text, new_ids
+        )
+
+    # ---- metrics --------------------------------------------------------------------------------------------------
+
+    def get_metrics(self) -> dict[str, Any]:
+        return {
+            **self.stats,
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_cache_usage_perc": self.kv.usage,
+            "kv_num_blocks": self.kv.num_blocks,
+            "kv_num_used_blocks": self.kv.num_used_blocks,
+            "prefix_cache_queries": self.kv.num_prefix_queries,
+            "prefix_cache_hits": self.kv.num_prefix_hits,
+        }

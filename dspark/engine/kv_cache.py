@@ -1,0 +1,123 @@
+"""Paged KV-cache bookkeeping: a pool of fixed-size blocks, per-request block tables, prefix caching by block hash.
+
+Only ids and counts live here; the tensors belong to the model runner. A block is either in use (ref_count > 0) or
+free; a free block may still hold a cached prefix (its hash stays findable until the block is reused), and free
+blocks are reused least-recently-freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from dspark.engine.request import Request
+
+
+def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    # NOTE: Python's hash of a tuple of ints is deterministic across runs (no hash randomisation for ints), and the
+    # chain through `parent` makes a block's hash depend on the whole prefix before it.
+    return hash((parent, tuple(tokens)))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.num_prefix_hits = 0  # tokens served from the prefix cache, for metrics
+        self.num_prefix_queries = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def computed_prefix(self, req: Request) -> tuple[list[int], int]:
+        """Cached blocks that hold a prefix of the request's tokens, and how many tokens they cover.
+
+        At least one token is always left to compute: the step that computes it produces the next token's logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        tokens = req.all_token_ids
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range((len(tokens) - 1) // bs):
+            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            block = self.cached.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_prefix_queries += len(tokens)
+        self.num_prefix_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def allocate(self, req: Request, num_new_tokens: int, prefix_blocks: Sequence[int] = ()) -> bool:
+        """Give `req` blocks for num_computed_tokens + num_new_tokens tokens; False (nothing changed) if full."""
+        total = req.num_computed_tokens + len(prefix_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(req.block_ids) - len(prefix_blocks)
+        reusable = sum(1 for b in prefix_blocks if self.ref_count[b] == 0)
+        if num_new_blocks > len(self.free) - reusable:
+            return False
+        for b in prefix_blocks:
+            if self.ref_count[b] == 0:
+                del self.free[b]
+            self.ref_count[b] += 1
+            req.block_ids.append(b)
+        req.num_computed_tokens += len(prefix_blocks) * self.block_size
+        req.num_cached_tokens = max(req.num_cached_tokens, len(prefix_blocks) * self.block_size)
+        for _ in range(max(0, num_new_blocks)):
+            b, _ = self.free.popitem(last=False)
+            old = self.hash_of[b]
+            if old is not None:  # evict the cached prefix this block held
+                if self.cached.get(old) == b:
+                    del self.cached[old]
+                self.hash_of[b] = None
+            self.ref_count[b] = 1
+            req.block_ids.append(b)
+        return True
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register the request's full, computed blocks so later requests with the same prefix can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        tokens = req.all_token_ids
+        while len(req.block_hashes) < num_full:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            h = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            req.block_hashes.append(h)
+            b = req.block_ids[i]
+            if self.hash_of[b] is None and h not in self.cached:
+                self.hash_of[b] = h
+                self.cached[h] = b
+
+    def free_request(self, req: Request) -> None:
+        # Freed in reverse so that a request's tail blocks are reused first and its shared prefix survives longest.
+        for b in reversed(req.block_ids):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free[b] = None
+        req.block_ids = []
+        req.block_hashes = []
+
+    def reset_prefix_cache(self) -> None:
+        self.cached.clear()
+        self.hash_of = [None] * self.num_blocks

@@ -1,0 +1,111 @@
+"""Continuous batching with chunked prefill and preemption by recompute; FCFS. Never touches tensors.
+
+There is no prefill or decode phase: every step each running request gets the tokens it still lacks
+(num_tokens - num_computed_tokens: a prompt chunk, or the one token sampled last step), within max_num_seqs and the
+max_num_batched_tokens budget. When the KV cache is full, the most recently admitted running request is preempted:
+its blocks are freed and it goes back to the front of the queue, to be recomputed from its prompt plus what it has
+generated so far (its prefix may still be cached). Sampling is seeded per output position, so its output is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dspark.engine.kv_cache import KVCacheManager
+from dspark.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step brings the request level with its tokens, so it emits one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What crosses from the scheduler to the model runner in one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: nothing after it can fit either
+
+        # Admit waiting requests only when nobody was preempted this step (they would just thrash).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            prefix_blocks, num_prefix = ([], 0)
+            if req.num_computed_tokens == 0:
+                prefix_blocks, num_prefix = self.kv.computed_prefix(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_prefix, budget)
+            if not self.kv.allocate(req, num_new, prefix_blocks):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free_request(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark a request finished (stopped, length or aborted) and free its blocks, wherever it is."""
+        if req.status.finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free_request(req)

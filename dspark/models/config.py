@@ -1,0 +1,82 @@
+"""The shape of a decoder: one dataclass read from a Hugging Face config.json or from GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dspark.errors import ModelLoadError
+
+# Hugging Face architecture name -> our family. All three share one module (models/llama.py).
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # llama | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # qwen2: biases on q/k/v
+    qk_norm: bool  # qwen3: RMSNorm on each head of q and k
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: str) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if family is None:
+            raise ModelLoadError(f"{source}: unsupported architecture {archs!r}; supported: {', '.join(ARCHITECTURES)}")
+        _check_rope(cfg, source)
+        try:
+            num_heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            return cls(
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_id=eos[0] if isinstance(eos, list) else eos,
+                torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: config.json lacks the key {e.args[0]!r}") from None
+
+
+def _check_rope(cfg: dict[str, Any], source: str) -> None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ModelLoadError(f"{source}: rope scaling {kind!r} is not supported yet (only plain RoPE)")

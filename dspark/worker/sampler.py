@@ -1,0 +1,146 @@
+"""Logits processing and sampling, one row per request, reproducible whatever the batch.
+
+Order (as vLLM): min_tokens masking of stop tokens -> penalties -> temperature -> min_p -> top_k -> top_p -> sample.
+Logprobs are of the raw model distribution (before any processing), as vLLM v1 returns by default.
+
+Randomness is counter-based: the draw for a request's n-th output token comes from a generator seeded with
+(request seed, n), so batch composition, preemption and recompute never change what a request samples. Sampling
+uses the exponential race argmax(p / E), E ~ Exp(1), which draws exactly from p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+MIN_ROWS = 8  # see worker/attention/torch_ref.py: small-M kernels reorder reductions on CPU
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, counter: int) -> int:
+    """splitmix64 of (seed, counter): independent streams per request and per output position."""
+    z = (seed * 0x9E3779B97F4A7C15 + counter * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplingRow:
+    """One request's sampling inputs for this step (host values; built by the model runner)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    counter: int  # index of the output token being sampled
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    banned_token_ids: tuple[int, ...] = ()  # stop tokens masked while min_tokens is not reached
+    num_logprobs: int | None = None
+
+
+@dataclass
+class SampledRow:
+    token_id: int
+    logprob: float | None = None  # of the sampled token (raw distribution)
+    rank: int | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledRow]:
+        """logits: [num_rows (>= len(rows), padding allowed), vocab] fp32."""
+        n = len(rows)
+        raw = logits[:n]
+        want_logprobs = any(r.num_logprobs is not None for r in rows)
+        raw_logprobs = _row_safe(torch.log_softmax, logits)[:n] if want_logprobs else None
+
+        x = raw.clone()
+        for i, r in enumerate(rows):
+            if r.banned_token_ids:
+                x[i, list(r.banned_token_ids)] = float("-inf")
+            _apply_penalties(x[i], r)
+        probs = self.probabilities(x, rows)
+        tokens = self.sample(probs, x, rows)
+
+        out = []
+        for i, r in enumerate(rows):
+            res = SampledRow(tokens[i])
+            if raw_logprobs is not None and r.num_logprobs is not None:
+                lp = raw_logprobs[i]
+                res.logprob = lp[tokens[i]].item()
+                res.rank = int((lp > lp[tokens[i]]).sum().item()) + 1
+                if r.num_logprobs:
+                    top = torch.topk(lp, r.num_logprobs)
+                    res.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            out.append(res)
+        return out
+
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, min_p, top_k, top_p applied. Greedy rows: one-hot."""
+        vocab = logits.shape[1]
+        temps = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=logits.device)
+        probs = _row_safe(torch.softmax, logits / temps[:, None])
+        for i, r in enumerate(rows):
+            if r.temperature < 1e-5:
+                probs[i] = 0.0
+                probs[i, int(torch.argmax(logits[i]))] = 1.0
+                continue
+            p = probs[i]
+            if r.min_p > 0.0:
+                p[p < r.min_p * p.max()] = 0.0
+            if 0 < r.top_k < vocab or r.top_p < 1.0:
+                sorted_p, order = torch.sort(p, descending=True, stable=True)
+                keep = torch.ones_like(sorted_p, dtype=torch.bool)
+                if 0 < r.top_k < vocab:
+                    keep[r.top_k :] = False
+                if r.top_p < 1.0:
+                    sorted_p = sorted_p.masked_fill(~keep, 0.0)
+                    mass_before = torch.cumsum(sorted_p, 0) - sorted_p
+                    # NOTE: keep the smallest prefix whose mass reaches top_p (the top token always stays).
+                    keep &= mass_before < r.top_p * sorted_p.sum()
+                p[order[~keep]] = 0.0
+            probs[i] = p / p.sum()
+        return probs
+
+    def sample(self, probs: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        tokens = []
+        for i, r in enumerate(rows):
+            if r.temperature < 1e-5:
+                tokens.append(int(torch.argmax(logits[i])))
+                continue
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(mix_seed(r.seed, r.counter))
+            e = torch.empty_like(probs[i]).exponential_(generator=gen)
+            tokens.append(int(torch.argmax(probs[i] / e)))
+        return tokens
+
+
+def _row_safe(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Apply a row-wise op with at least MIN_ROWS rows, so small batches reduce in the same order as large ones."""
+    n = x.shape[0]
+    if n >= MIN_ROWS:
+        return fn(x, dim=-1)
+    padded = torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
+    return fn(padded, dim=-1)[:n]
+
+
+def _apply_penalties(row: torch.Tensor, r: SamplingRow) -> None:
+    """vLLM's semantics: repetition over prompt and output tokens; presence and frequency over output tokens."""
+    if r.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long)
+        if len(seen):
+            seen = seen.to(row.device)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / r.repetition_penalty, vals * r.repetition_penalty)
+    if (r.presence_penalty or r.frequency_penalty) and r.output_token_ids:
+        ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=row.device)
+        counts = torch.bincount(ids, minlength=row.shape[0]).to(row.dtype)
+        row -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0).to(row.dtype)
