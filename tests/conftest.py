@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random Hugging Face models (with SmolLM2's tokenizer) and the real default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import FAMILIES, make_hf_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from dspark.models.registry import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")  # downloads into $DSPARK_CACHE on a fresh machine
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    from dspark.tokenizer import load_tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(smollm2_path).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, Path]:
+    """family -> a saved tiny model directory (config.json, model.safetensors, tokenizer files)."""
+    import shutil
+
+    dirs = {}
+    for family in FAMILIES:
+        out = tmp_path_factory.mktemp(f"tiny-{family}")
+        make_hf_model(family).save_pretrained(out, safe_serialization=True)
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, out / f.name)
+        dirs[family] = out
+    return dirs

@@ -1,0 +1,41 @@
+"""Test helpers importable from any test module (tests/ is on pytest's pythonpath)."""
+
+from __future__ import annotations
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """A tiny random decoder of the family, in fp32, with SmolLM2's vocabulary size."""
+    import transformers
+
+    kwargs: dict[str, object] = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "qwen3":
+        kwargs["head_dim"] = 32  # Qwen3 decouples head_dim from hidden_size / heads
+    kwargs.update(overrides)
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    torch.manual_seed(seed)
+    model = cls[1](cls[0](**kwargs)).float().eval()
+    with torch.no_grad():  # larger weights than the default init, so logits are far from uniform and ties are rare
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    return model

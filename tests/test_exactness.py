@@ -1,0 +1,79 @@
+"""Logits and greedy tokens equal Hugging Face transformers' (fp32, CPU): tiny random models and SmolLM2-135M."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark import LLM, SamplingParams
+from helpers import FAMILIES
+
+
+def _capture_logits(llm: LLM) -> list[torch.Tensor]:
+    """Record the first sampled row's logits at every step (single-request runs)."""
+    seen: list[torch.Tensor] = []
+    model = llm.engine.model
+    original = model.compute_logits
+
+    def spy(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden)
+        seen.append(logits[0].clone())
+        return logits
+
+    model.compute_logits = spy  # type: ignore[method-assign]
+    return seen
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _check_against_hf(llm: LLM, hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> float:
+    worst = 0.0
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for prompt in prompts:
+        seen = _capture_logits(llm)
+        out = llm.generate([prompt], params)[0].outputs[0]
+        with torch.inference_mode():
+            full = torch.tensor([prompt + out.token_ids[:-1]])
+            ref_logits = hf(full).logits[0, len(prompt) - 1 :].float()
+        # Teacher-forced: if every step's argmax agrees, transformers' greedy decoding yields the same tokens.
+        assert out.token_ids == ref_logits.argmax(-1).tolist(), f"greedy tokens differ for prompt {prompt[:8]}..."
+        ours = torch.stack(seen[-new_tokens:])
+        err = _relative_error(ours, ref_logits)
+        assert err < 1e-4, f"logits differ from transformers: relative error {err:.2e}"
+        worst = max(worst, err)
+    return worst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_models_match_transformers(family: str, tiny_model_dirs: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[family], dtype=torch.float32).eval()
+    llm = LLM(model=str(tiny_model_dirs[family]), dtype="float32", max_model_len=512, num_kv_blocks=128)
+    g = torch.Generator().manual_seed(1)
+    # Lengths straddle the attention tile (256) and the block size (16).
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 17, 300)]
+    _check_against_hf(llm, hf, prompts, new_tokens=24)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    # transformers dequantizes and un-permutes the GGUF with its own code: an independent reference for ours.
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+    llm = LLM(dtype="float32", max_model_len=1024)
+    chats = [
+        "What is the capital of France?",
+        "Write a Python function that reverses a string.",
+        "Explain photosynthesis to a ten-year-old.",
+    ]
+    prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+    worst = _check_against_hf(llm, hf, prompts, new_tokens=64)
+    print(f"SmolLM2-135M fp32: worst relative logit error {worst:.2e}")
