@@ -63,27 +63,32 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
             raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
-    hidden, num_heads = int(need("embedding_length")), int(need("attention.head_count"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    return ModelConfig(
-        family=arch,
-        vocab_size=int(_field(reader, f"{arch}.vocab_size") or len(tokens or [])),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or num_heads),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length") or hidden // num_heads),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base") or 1e4),
-        max_position_embeddings=int(need("context_length")),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        torch_dtype="float32",
-    )
+    if _field(reader, f"{arch}.vocab_size") is None and not tokens:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens")
+    try:
+        hidden, num_heads = int(need("embedding_length")), int(need("attention.head_count"))
+        return ModelConfig(
+            family=arch,
+            vocab_size=int(_field(reader, f"{arch}.vocab_size") or len(tokens or [])),
+            hidden_size=hidden,
+            intermediate_size=int(need("feed_forward_length")),
+            num_layers=int(need("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or num_heads),
+            head_dim=int(_field(reader, f"{arch}.attention.key_length") or hidden // num_heads),
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(_field(reader, f"{arch}.rope.freq_base") or 1e4),
+            max_position_embeddings=int(need("context_length")),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+            torch_dtype="float32",
+        )
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ModelLoadError(f"{path}: GGUF metadata has an invalid value ({e})") from None
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -110,5 +115,9 @@ def gguf_tensors(reader: Any, cfg: ModelConfig, path: Path) -> Iterator[tuple[st
         except Exception as e:
             raise ModelLoadError(f"{path}: tensor {t.name} cannot be read ({type(e).__name__}: {e})") from None
         if cfg.family == "llama" and m and m.group(2) in ("attn_q", "attn_k"):
-            data = _unpermute(data, cfg.num_heads if m.group(2) == "attn_q" else cfg.num_kv_heads)
+            heads = cfg.num_heads if m.group(2) == "attn_q" else cfg.num_kv_heads
+            expected = (heads * cfg.head_dim, *((cfg.hidden_size,) if m.group(3) == "weight" else ()))
+            if data.shape != expected:
+                raise ModelLoadError(f"{path}: tensor {t.name} has shape {data.shape}, the config implies {expected}")
+            data = _unpermute(data, heads)
         yield name, torch.from_numpy(np.array(data, dtype=np.float32, copy=True))

@@ -24,7 +24,7 @@ def load_config(path: Path) -> ModelConfig:
     if path.is_dir():
         try:
             raw = json.loads((path / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
             raise ModelLoadError(f"{path / 'config.json'}: cannot be read ({e})") from None
         return ModelConfig.from_hf(raw, str(path))
     return gguf_config(open_gguf(path), path)

