@@ -70,6 +70,10 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ConfigError("stop", self.stop, "a string or a list of strings")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ConfigError("stop_token_ids", self.stop_token_ids, "a list of token ids")
         self.stop = list(self.stop or [])
         for s in self.stop:
             if not isinstance(s, str) or not s:

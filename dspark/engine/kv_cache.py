@@ -63,8 +63,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_prefix_queries += len(tokens)
-        self.num_prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
 
     def allocate(self, req: Request, num_new_tokens: int, prefix_blocks: Sequence[int] = ()) -> bool:
@@ -79,6 +77,9 @@ class KVCacheManager:
                 del self.free[b]
             self.ref_count[b] += 1
             req.block_ids.append(b)
+        if req.num_computed_tokens == 0:  # admission (new or resumed): count the prefix-cache lookup once
+            self.num_prefix_queries += req.num_tokens
+            self.num_prefix_hits += len(prefix_blocks) * self.block_size
         req.num_computed_tokens += len(prefix_blocks) * self.block_size
         req.num_cached_tokens = max(req.num_cached_tokens, len(prefix_blocks) * self.block_size)
         for _ in range(max(0, num_new_blocks)):

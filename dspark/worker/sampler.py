@@ -118,7 +118,8 @@ class Sampler:
                 continue
             gen = torch.Generator(device=probs.device)
             gen.manual_seed(mix_seed(r.seed, r.counter))
-            e = torch.empty_like(probs[i]).exponential_(generator=gen)
+            # NOTE: clamp: some CUDA builds of exponential_ can return 0, which would make a zero-probability token win.
+            e = torch.empty_like(probs[i]).exponential_(generator=gen).clamp_(min=torch.finfo(probs.dtype).tiny)
             tokens.append(int(torch.argmax(probs[i] / e)))
         return tokens
 

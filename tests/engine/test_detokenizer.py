@@ -1,0 +1,116 @@
+"""IncrementalDetokenizer over the real SmolLM2 tokenizer: streamed deltas concatenate to the full decode, never
+show half a character, and keep leading spaces."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dspark.engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    " Héllo wörld, naïve café, Ærøskøbing, Ångström",
+    "日本語のテキストと中文字符测试",
+    "Rockets 🚀🎉 and a family 👨\u200d👩\u200d👧 with flags 🇫🇷🇯🇵 and a thumbs 👍🏽",
+    "  two leading spaces, then\n\nnew lines\tand a tab",
+    " — “quotes” ¿qué? ½ ∑ ∞ ≠ Ωmega façade",
+    "mixed: abc日本🚀é def 😀😃😄 end",
+    "a . b , c ! d ?",
+]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    from dspark.models.registry import resolve_model
+    from dspark.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(tok: Any) -> list[int]:
+    return tok.encode("<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+
+
+def stream(tok: Any, prompt: list[int], ids: list[int], chunk: int = 1, skip: bool = True) -> list[str]:
+    d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    deltas = [d.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    assert d.text == "".join(deltas)
+    return deltas
+
+
+def test_texts_really_split_characters_across_tokens(tok: Any) -> None:
+    # Otherwise the streaming tests below would prove nothing about multi-byte characters.
+    split = 0
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        split += sum("\ufffd" in tok.decode([i]) for i in ids)
+    assert split > 20
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("prompt_kind", ["chat", "empty", "cjk"])
+def test_stream_token_by_token_equals_full_decode(
+    tok: Any, chat_prompt: list[int], text: str, prompt_kind: str
+) -> None:
+    prompt = {"chat": chat_prompt, "empty": [], "cjk": tok.encode("前の文脈🚀", add_special_tokens=False)}[prompt_kind]
+    ids = tok.encode(text, add_special_tokens=False)
+    expected = tok.decode(ids)
+    assert expected == text
+    deltas = stream(tok, prompt, ids)
+    assert "".join(deltas) == expected
+    assert not any("\ufffd" in d for d in deltas), deltas
+    assert sum(1 for d in deltas if d) > 1  # it really streams
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5])
+def test_stream_in_chunks_equals_full_decode(tok: Any, chat_prompt: list[int], chunk: int) -> None:
+    ids = tok.encode("".join(TEXTS), add_special_tokens=False)
+    deltas = stream(tok, chat_prompt, ids, chunk=chunk)
+    assert "".join(deltas) == tok.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_emoji_is_held_back_until_complete(tok: Any, chat_prompt: list[int]) -> None:
+    ids = tok.encode("🚀", add_special_tokens=False)
+    assert len(ids) > 1
+    deltas = stream(tok, chat_prompt, ids)
+    assert deltas == [""] * (len(ids) - 1) + ["🚀"]
+
+
+def test_leading_spaces_are_preserved(tok: Any, chat_prompt: list[int]) -> None:
+    for text in (" Hello", "  Hello", " 日本", "\n Hi"):
+        ids = tok.encode(text, add_special_tokens=False)
+        deltas = stream(tok, chat_prompt, ids)
+        assert "".join(deltas) == text
+        first = next(d for d in deltas if d)
+        assert first[0] == text[0]
+    # A space-led token right after a word in the prompt keeps its space.
+    prompt = tok.encode("The answer is", add_special_tokens=False)
+    ids = tok.encode(" forty two", add_special_tokens=False)
+    assert stream(tok, prompt, ids)[0] == " forty"
+
+
+def test_prompt_context_starting_mid_character(tok: Any) -> None:
+    # The last CONTEXT_TOKENS prompt tokens start inside an emoji: that garbage must never reach the output.
+    prompt = tok.encode("🎉🎉🎉 ok", add_special_tokens=False)
+    window = prompt[-CONTEXT_TOKENS:]
+    assert tok.decode(window).startswith("\ufffd")
+    ids = tok.encode(" ok 🎉 done", add_special_tokens=False)
+    deltas = stream(tok, prompt, ids)
+    assert "".join(deltas) == " ok 🎉 done"
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_special_tokens_skipped_or_kept(tok: Any, chat_prompt: list[int]) -> None:
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = [*tok.encode(" Hi there", add_special_tokens=False), eos]
+    assert "".join(stream(tok, chat_prompt, ids, skip=True)) == " Hi there"
+    assert "".join(stream(tok, chat_prompt, ids, skip=False)) == " Hi there<|im_end|>"
+    # Text after a skipped special token still streams.
+    more = [*ids, *tok.encode(" again", add_special_tokens=False)]
+    deltas = stream(tok, chat_prompt, more, skip=True)
+    assert "".join(deltas) == tok.decode(more, skip_special_tokens=True) == " Hi there again"

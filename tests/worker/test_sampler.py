@@ -1,0 +1,267 @@
+"""Sampler: exact greedy cases, seeded determinism whatever the batch, filter sets, distributions, penalties,
+banned tokens and raw logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.worker.sampler import Sampler, SamplingRow, _apply_penalties, mix_seed
+
+# Chi-square critical values at significance 1e-3 for 1..7 degrees of freedom. Draws are seeded, so a test that
+# passes once passes always; the level only bounds how unlucky a correct sampler could have been.
+CHI2_CRIT_1E3 = [10.828, 13.816, 16.266, 18.467, 20.515, 22.458, 24.322]
+
+# A known 8-token distribution, in scrambled order so no filter can rely on index order.
+BASE_P = torch.tensor([0.05, 0.30, 0.02, 0.40, 0.10, 0.08, 0.03, 0.02], dtype=torch.float64)
+
+
+def row(
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
+    counter: int = 0,
+    **kw: object,
+) -> SamplingRow:
+    kw.setdefault("prompt_token_ids", [])
+    kw.setdefault("output_token_ids", [])
+    return SamplingRow(temperature, top_k, top_p, min_p, seed, counter, **kw)  # type: ignore[arg-type]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    return [r.token_id for r in Sampler()(logits, rows)]
+
+
+def random_logits(num_rows: int, vocab: int, seed: int, scale: float = 2.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, vocab, generator=g) * scale
+
+
+def test_greedy_is_argmax_whatever_the_filters() -> None:
+    logits = random_logits(16, 3000, seed=1)
+    rows = [row(temperature=0.0, seed=i, counter=i, top_k=5 * (i % 3), top_p=0.5 + 0.03 * i) for i in range(16)]
+    assert sample(logits, rows) == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_1_equals_greedy() -> None:
+    logits = random_logits(12, 3000, seed=2)
+    for temperature in (0.3, 1.0, 5.0):
+        rows = [row(temperature=temperature, top_k=1, seed=100 + i, counter=i) for i in range(12)]
+        assert sample(logits, rows) == logits.argmax(dim=-1).tolist()
+
+
+def test_seeded_sampling_is_independent_of_batch_composition_and_order() -> None:
+    n, vocab = 20, 1000
+    logits = random_logits(n, vocab, seed=3, scale=1.0)
+    rows = [
+        row(temperature=0.5 + 0.1 * i, top_k=[-1, 0, 50][i % 3], top_p=[1.0, 0.9][i % 2], seed=7 * i, counter=i)
+        for i in range(n)
+    ]
+    together = sample(logits, rows)
+    assert len(set(together)) > 10  # really random rows, not argmax everywhere
+
+    alone = [sample(logits[i : i + 1], [rows[i]])[0] for i in range(n)]
+    assert alone == together
+
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    permuted = sample(logits[perm], [rows[i] for i in perm])
+    assert permuted == [together[i] for i in perm]
+
+    # Interleave unrelated rows and add padding rows full of garbage at the end.
+    extra = random_logits(n, vocab, seed=4, scale=5.0)
+    mixed_logits = torch.cat([torch.stack([logits, extra], dim=1).reshape(2 * n, vocab), torch.full((5, vocab), 1e4)])
+    mixed_rows = [r for i in range(n) for r in (rows[i], row(seed=999, counter=i))]
+    mixed = sample(mixed_logits, mixed_rows)
+    assert mixed[0::2] == together
+
+    assert sample(logits, rows) == together  # and simply repeatable
+
+
+def test_counters_and_seeds_give_different_streams() -> None:
+    vocab = 1000
+    flat = torch.zeros(1, vocab)
+    by_counter = sample(flat.repeat(200, 1), [row(seed=5, counter=c) for c in range(200)])
+    by_seed = sample(flat.repeat(200, 1), [row(seed=s, counter=3) for s in range(200)])
+    # 200 uniform draws from 1000 tokens: ~181 distinct expected; a shared stream would give 1.
+    assert len(set(by_counter)) > 150
+    assert len(set(by_seed)) > 150
+    same = sample(flat.repeat(6, 1), [row(seed=5, counter=17)] * 6)
+    assert same == [by_counter[17]] * 6
+
+
+def test_mix_seed_is_a_deterministic_injective_looking_mix() -> None:
+    values = {mix_seed(s, c) for s in range(100) for c in range(100)}
+    assert len(values) == 100 * 100  # in particular (s, c) and (c, s) differ
+    assert all(0 <= v < 2**63 for v in values)
+    assert mix_seed(123, 4) == mix_seed(123, 4)
+    for s in (-1, -(2**63), 2**63 - 1):
+        assert 0 <= mix_seed(s, 0) < 2**63
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p", "allowed"),
+    [
+        (1.0, 2, 1.0, 0.0, {3, 1}),
+        (1.0, 4, 1.0, 0.0, {3, 1, 4, 5}),
+        (1.0, -1, 0.65, 0.0, {3, 1}),  # masses before: 0, .4 < .65, .7 >= .65
+        (1.0, -1, 0.85, 0.0, {3, 1, 4, 5}),  # 0, .4, .7, .8 < .85; .88 >= .85
+        (1.0, -1, 1.0, 0.22, {3, 1, 4}),  # threshold .22 * .4 = .088
+        (1.0, -1, 1.0, 0.5, {3, 1}),
+        (1.0, 3, 0.8, 0.0, {3, 1}),  # top-p over the renormalised top 3: .5, .375 -> .875 >= .8
+        (2.0, -1, 0.6, 0.0, {3, 1, 4}),  # T=2 flattens first: .257, .223, .129 -> .609 >= .6
+    ],
+)
+def test_filters_only_return_allowed_tokens(
+    temperature: float, top_k: int, top_p: float, min_p: float, allowed: set[int]
+) -> None:
+    n = 2000
+    logits = (BASE_P.log().float() + 1.7).repeat(n, 1)
+    rows = [row(temperature, top_k, top_p, min_p, seed=11, counter=c) for c in range(n)]
+    got = set(sample(logits, rows))
+    assert got == allowed  # inside the set, and every allowed token is reachable
+
+
+def chi_square(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
+    total = counts.sum().item()
+    exp = expected_p * total
+    support = expected_p > 0
+    assert counts[~support].sum().item() == 0, f"tokens outside the support were sampled: {counts.tolist()}"
+    return float((((counts[support] - exp[support]) ** 2) / exp[support]).sum())
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p", "allowed"),
+    [
+        (1.0, -1, 1.0, 0.0, set(range(8))),
+        (0.5, -1, 1.0, 0.0, set(range(8))),
+        (1.0, 3, 1.0, 0.0, {3, 1, 4}),
+        (1.0, -1, 0.85, 0.0, {3, 1, 4, 5}),
+        (1.0, 3, 0.8, 0.0, {3, 1}),
+        (2.0, -1, 0.6, 0.0, {3, 1, 4}),
+        (0.8, -1, 1.0, 0.1, {3, 1, 4, 5}),  # q = p^1.25: threshold .1 * q_max keeps q >= .0318
+    ],
+)
+def test_sampled_distribution_matches_softmax_with_renormalised_filters(
+    temperature: float, top_k: int, top_p: float, min_p: float, allowed: set[int]
+) -> None:
+    n = 12_000
+    logits = (BASE_P.log().float() - 3.0).repeat(n, 1)
+    rows = [row(temperature, top_k, top_p, min_p, seed=2024, counter=c) for c in range(n)]
+    counts = torch.bincount(torch.tensor(sample(logits, rows)), minlength=8).double()
+
+    q = BASE_P ** (1.0 / temperature)
+    q = q / q.sum()
+    mask = torch.zeros(8, dtype=torch.bool)
+    mask[list(allowed)] = True
+    expected = torch.where(mask, q, torch.zeros_like(q))
+    expected = expected / expected.sum()
+
+    crit = CHI2_CRIT_1E3[len(allowed) - 2]
+    stat = chi_square(counts, expected)
+    assert stat < crit, (stat, counts.tolist(), expected.tolist())
+    # The test has power: the same draws are far from the plain softmax whenever the expected one differs from it.
+    if temperature != 1.0 or len(allowed) < 8:
+        exp_plain = BASE_P * n
+        assert float(((counts - exp_plain) ** 2 / exp_plain).sum()) > 10 * crit
+
+
+def test_penalties_follow_vllm_semantics_exactly() -> None:
+    base = torch.tensor([2.0, -2.0, 1.0, -1.0, 0.5, 3.0, 0.0, -0.5])
+    prompt, output = [0, 1, 1], [2, 3, 3, 6]
+
+    x = base.clone()
+    _apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=output, repetition_penalty=2.0))
+    # Every token seen in prompt or output, once: positive / 2, negative * 2; zero stays zero.
+    assert x.tolist() == [1.0, -4.0, 0.5, -2.0, 0.5, 3.0, 0.0, -0.5]
+
+    x = base.clone()
+    _apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=output, frequency_penalty=0.5))
+    # Output tokens only, times their count: 2 once, 3 twice, 6 once; prompt tokens untouched.
+    assert x.tolist() == [2.0, -2.0, 0.5, -2.0, 0.5, 3.0, -0.5, -0.5]
+
+    x = base.clone()
+    _apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=output, presence_penalty=0.75))
+    assert x.tolist() == [2.0, -2.0, 0.25, -1.75, 0.5, 3.0, -0.75, -0.5]
+
+    x = base.clone()
+    _apply_penalties(
+        x,
+        row(
+            prompt_token_ids=prompt,
+            output_token_ids=output,
+            presence_penalty=-0.5,
+            frequency_penalty=0.25,
+            repetition_penalty=0.5,
+        ),
+    )
+    # Repetition first (0.5 < 1 boosts seen tokens), then -(0.25 * count) + 0.5 on output tokens.
+    assert x.tolist() == pytest.approx([4.0, -1.0, 2.0 - 0.25 + 0.5, -0.5 - 0.5 + 0.5, 0.5, 3.0, 0.25, -0.5])
+
+    x = base.clone()
+    _apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=[], presence_penalty=1.0, frequency_penalty=1))
+    assert x.tolist() == base.tolist()  # no output yet: nothing to penalise
+
+
+def test_penalties_change_what_greedy_picks() -> None:
+    logits = torch.tensor([[0.0, 2.5, 0.0, 3.0, 0.0]])
+    assert sample(logits, [row(temperature=0.0, output_token_ids=[3])]) == [3]
+    assert sample(logits, [row(temperature=0.0, output_token_ids=[3], frequency_penalty=0.6)]) == [1]
+    assert sample(logits, [row(temperature=0.0, output_token_ids=[3, 3], frequency_penalty=0.3)]) == [1]
+    assert sample(logits, [row(temperature=0.0, output_token_ids=[3, 3], presence_penalty=0.3)]) == [3]
+    assert sample(logits, [row(temperature=0.0, prompt_token_ids=[3], repetition_penalty=1.3)]) == [1]
+    # The penalties of one row never leak into another.
+    rows = [row(temperature=0.0, output_token_ids=[3], presence_penalty=1.0), row(temperature=0.0)]
+    assert sample(logits.repeat(2, 1), rows) == [1, 3]
+
+
+def test_banned_tokens_are_never_sampled() -> None:
+    n, vocab = 3000, 6
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.5, 0.0, 0.0]]).repeat(n, 1)
+    banned = (0, 2)
+    assert sample(logits[:1], [row(temperature=0.0, banned_token_ids=banned)]) == [1]
+    assert sample(logits[:1], [row(top_k=1, banned_token_ids=banned)]) == [1]
+    rows = [row(temperature=3.0, seed=9, counter=c, banned_token_ids=banned) for c in range(n)]
+    got = set(sample(logits, rows))
+    assert got == {1, 3, 4, 5}
+    unbanned = set(sample(logits, [row(temperature=3.0, seed=9, counter=c) for c in range(n)]))
+    assert unbanned == set(range(vocab))  # the ban, not the logits, keeps them out
+    # With a penalty that would push banned tokens back up, they stay banned.
+    rows = [
+        row(temperature=3.0, seed=9, counter=c, banned_token_ids=banned, output_token_ids=[0], presence_penalty=-2.0)
+        for c in range(300)
+    ]
+    assert not set(sample(logits[:300], rows)) & set(banned)
+
+
+def test_logprobs_are_of_the_raw_distribution() -> None:
+    n, vocab = 6, 500
+    logits = random_logits(n + 2, vocab, seed=5)  # 2 padding rows
+    logits[n:] = 1e4
+    rows = [
+        row(temperature=0.0, num_logprobs=5),
+        row(temperature=0.7, seed=1, counter=0, num_logprobs=3, output_token_ids=[1, 2], repetition_penalty=1.5),
+        row(temperature=2.0, seed=2, counter=4, top_p=0.5, num_logprobs=0),
+        row(temperature=1.0, seed=3, counter=1),  # no logprobs for this one
+        row(temperature=1.0, seed=4, counter=2, num_logprobs=20, presence_penalty=1.0, output_token_ids=[7]),
+        row(temperature=0.0, num_logprobs=1, banned_token_ids=(int(logits[5].argmax()),)),
+    ]
+    out = Sampler()(logits, rows)
+    ref = torch.log_softmax(logits[:n].double(), dim=-1)
+    for i, (r, res) in enumerate(zip(rows, out, strict=True)):
+        if r.num_logprobs is None:
+            assert res.logprob is None and res.rank is None and res.top_logprobs is None
+            continue
+        lp = ref[i]
+        assert res.logprob == pytest.approx(lp[res.token_id].item(), abs=1e-5)
+        order = torch.argsort(lp, descending=True).tolist()
+        assert res.rank == order.index(res.token_id) + 1
+        if r.num_logprobs == 0:
+            assert not res.top_logprobs
+            continue
+        assert res.top_logprobs is not None
+        assert [t for t, _ in res.top_logprobs] == order[: r.num_logprobs]
+        assert [v for _, v in res.top_logprobs] == pytest.approx(lp[order[: r.num_logprobs]].tolist(), abs=1e-5)
+    assert out[0].rank == 1 and out[0].token_id == int(logits[0].argmax())
+    assert out[5].rank == 2  # the raw argmax was banned: the sampled token is second in the raw distribution
