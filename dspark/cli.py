@@ -12,13 +12,14 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from dspark import __version__
 from dspark.config import DEVICES, DTYPES, MAX_LOGPROBS, EngineConfig, SamplingParams
 from dspark.errors import ConfigError, DSparkError
 from dspark.llm import LLM
 from dspark.models.registry import DEFAULT_MODEL
+from dspark.outputs import RequestOutput
 
 EXIT_USAGE = 2
 
@@ -173,14 +174,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for i, (prompt, out) in enumerate(zip(args.prompt, outputs, strict=True)):
         completion = out.outputs[0]
         if len(args.prompt) > 1:
-            print(f"{chr(10) * (i > 0)}### {i + 1}: {_shorten(prompt)}")
+            if i:
+                print()
+            print(f"### {i + 1}: {_shorten(prompt)}")
         print(completion.text)
         if completion.cumulative_logprob is not None:
             print(f"(cumulative logprob {completion.cumulative_logprob:.4f} over {len(completion.token_ids)} tokens)")
     return 0
 
 
-def _completion_json(prompt: str, out: Any) -> dict[str, Any]:
+def _completion_json(prompt: str, out: RequestOutput) -> dict[str, Any]:
     c = out.outputs[0]
     record: dict[str, Any] = {
         "prompt": prompt,
@@ -216,7 +219,7 @@ def _tty(stream: Any) -> bool:
 class ChatSession:
     """A conversation over one engine: each answer streams to `out` token by token as the engine produces it."""
 
-    def __init__(self, llm: Any, params: SamplingParams, system: str | None) -> None:
+    def __init__(self, llm: LLM, params: SamplingParams, system: str | None) -> None:
         self.llm = llm
         self.engine = llm.engine
         self.params = params
@@ -231,7 +234,7 @@ class ChatSession:
                 return ids
             self.turns = self.turns[2:]
 
-    def answer(self, message: str, out: Any) -> str:
+    def answer(self, message: str, out: TextIO) -> str:
         self.turns.append({"role": "user", "content": message})
         try:
             request_id = self.engine.add_request(self.prompt_ids(), self.params)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 
@@ -100,7 +101,7 @@ def test_generate_text_chat_and_logprobs(tiny: str, capsys: pytest.CaptureFixtur
         assert token in [e["token_id"] for e in position] and len(position) >= 2
 
     assert main(argv) == 0
-    assert capsys.readouterr().out.rstrip("\n") == record["text"]
+    assert capsys.readouterr().out == record["text"] + "\n"
 
 
 def test_chat_once_streams_the_answer(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -112,23 +113,34 @@ def test_chat_once_streams_the_answer(tiny: str, capsys: pytest.CaptureFixture[s
     assert out == expected[0].outputs[0].text + "\n"
 
 
-def test_chat_repl_reads_until_exit(
-    tiny: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(sys, "stdin", io.StringIO("first\n\nsecond\n/exit\nnever read\n"))
-    assert main(["chat", "--model", tiny, *SMALL_ENGINE, "--max-tokens", "3", "--ignore-eos"]) == 0
-    assert capsys.readouterr().out.count("\n") == 2  # two answers, one line each (3 random tokens, no newline)
+@pytest.fixture
+def answered(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The messages the REPL hands to ChatSession.answer, which still runs."""
+    seen: list[str] = []
+    original = ChatSession.answer
+
+    def spy(self: ChatSession, message: str, out: TextIO) -> str:
+        seen.append(message)
+        return original(self, message, out)
+
+    monkeypatch.setattr(ChatSession, "answer", spy)
+    return seen
+
+
+def test_chat_repl_reads_until_exit(tiny: str, answered: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first\n\n  second  \n/exit\nnever read\n"))
+    assert main(["chat", "--model", tiny, *SMALL_ENGINE, "--max-tokens", "3"]) == 0
+    assert answered == ["first", "second"]
 
 
 def test_chat_repl_ends_at_eof_and_survives_a_too_long_message(
-    tiny: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny: str, answered: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sys, "stdin", io.StringIO("word " * 200 + "\nshort\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("word " * 200 + "\nshort"))
     argv = ["chat", "--model", tiny, *SMALL_ENGINE, "--max-tokens", "2", "--max-model-len", "96"]
     assert main(argv) == 0
-    captured = capsys.readouterr()
-    assert captured.err.startswith("error: prompt=")
-    assert captured.out.count("\n") == 1  # the short message was still answered
+    assert answered == ["word " * 199 + "word", "short"]
+    assert capsys.readouterr().err.startswith("error: prompt=")
 
 
 def test_chat_session_keeps_and_trims_history(tiny: str) -> None:

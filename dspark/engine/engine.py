@@ -43,10 +43,18 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    # NOTE: "auto" is bf16 on GPUs and fp32 on CPU, where bf16 matmuls are slower on most processors.
+    # NOTE: "auto" is bf16 on GPUs and on CPUs with native bf16 (AVX512-BF16 / AMX), fp32 on other CPUs, where bf16
+    # matmuls are emulated and slower than fp32.
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or _cpu_has_bf16() else torch.float32
     return _DTYPES[name]
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a private helper: absent on some builds
+        return False
 
 
 class LLMEngine:

@@ -16,9 +16,11 @@ from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM
 from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache
 from dspark.worker.attention.torch_ref import TorchAttention
-from dspark.worker.sampler import MIN_ROWS, SampledRow, Sampler, SamplingRow
+from dspark.worker.sampler import SampledRow, Sampler, SamplingRow
 
-TOKEN_PAD = 8  # the flattened batch is padded to a multiple of this (see attention/torch_ref.py on batch invariance)
+# The flattened batch has at least this many rows: CPU BLAS orders a row's reduction differently when M <= 3
+# (see attention/torch_ref.py on batch invariance); from 4 rows up every row gets the same bits.
+MIN_TOKENS = 4
 
 
 @dataclass
@@ -74,8 +76,7 @@ class ModelRunner:
                 sampling_ids.append(req.request_id)
 
         num_actual = len(input_ids)
-        num_padded = -(-num_actual // TOKEN_PAD) * TOKEN_PAD
-        pad = num_padded - num_actual
+        pad = max(0, MIN_TOKENS - num_actual)
         dev = self.device
         max_blocks = max(len(t) for t in tables)
         meta = AttentionMetadata(
@@ -89,12 +90,14 @@ class ModelRunner:
             max_query_len=max(s.num_new_tokens for s in sched.scheduled),
             max_seq_len=max(seq_lens),
         )
+        mcfg = self.model.config
+        self.backend.prepare(meta, mcfg.num_kv_heads, mcfg.num_heads, bs)
         ids = torch.tensor(input_ids + [0] * pad, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions + [0] * pad, dtype=torch.int64, device=dev)
         hidden = self.model(ids, pos, AttentionContext(self.backend, meta, self.kv_caches))
         if not logit_rows:
             return RunnerOutput({})
-        rows = logit_rows + [logit_rows[-1]] * max(0, MIN_ROWS - len(logit_rows))
+        rows = logit_rows + [logit_rows[-1]] * max(0, MIN_TOKENS - len(logit_rows))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
         sampled = self.sampler(logits, [sampling_row(s.request) for s in sched.scheduled if s.samples])
         return RunnerOutput(dict(zip(sampling_ids, sampled, strict=True)))

@@ -3,9 +3,9 @@
 Order (as vLLM): min_tokens masking of stop tokens -> penalties -> temperature -> min_p -> top_k -> top_p -> sample.
 Logprobs are of the raw model distribution (before any processing), as vLLM v1 returns by default.
 
-Randomness is counter-based: the draw for a request's n-th output token comes from a generator seeded with
-(request seed, n), so batch composition, preemption and recompute never change what a request samples. Sampling
-uses the exponential race argmax(p / E), E ~ Exp(1), which draws exactly from p.
+Randomness is counter-based: the draw for a request's n-th output token is a uniform computed from
+(request seed, n) alone, so batch composition, preemption and recompute never change what a request samples.
+Sampling inverts the row's CDF (accumulated in fp64) at that uniform, which draws exactly from p.
 """
 
 from __future__ import annotations
@@ -87,7 +87,10 @@ class Sampler:
         """The distribution each row samples from: temperature, min_p, top_k, top_p applied. Greedy rows: one-hot."""
         vocab = logits.shape[1]
         temps = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=logits.device)
-        probs = _row_safe(torch.softmax, logits / temps[:, None])
+        if all(r.temperature < 1e-5 for r in rows):
+            probs = torch.zeros_like(logits)
+        else:
+            probs = _row_safe(torch.softmax, logits / temps[:, None])
         for i, r in enumerate(rows):
             if r.temperature < 1e-5:
                 probs[i] = 0.0
@@ -111,17 +114,25 @@ class Sampler:
         return probs
 
     def sample(self, probs: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """Inverse-CDF sampling with one counter-based uniform per row (no generator state, no vocab-sized noise)."""
         tokens = []
         for i, r in enumerate(rows):
             if r.temperature < 1e-5:
                 tokens.append(int(torch.argmax(logits[i])))
                 continue
-            gen = torch.Generator(device=probs.device)
-            gen.manual_seed(mix_seed(r.seed, r.counter))
-            # NOTE: clamp: some CUDA builds of exponential_ can return 0, which would make a zero-probability token win.
-            e = torch.empty_like(probs[i]).exponential_(generator=gen).clamp_(min=torch.finfo(probs.dtype).tiny)
-            tokens.append(int(torch.argmax(probs[i] / e)))
+            cdf = torch.cumsum(probs[i].double(), 0)  # sequential per row: the same bits in any batch
+            u = uniform(r.seed, r.counter) * cdf[-1]
+            idx = int(torch.searchsorted(cdf, u.view(1), right=True))
+            # NOTE: u < total, but rounding can land it on the last step; never return a zero-probability token.
+            if idx >= len(cdf) or probs[i, idx] <= 0:
+                idx = int(torch.nonzero(probs[i] > 0)[-1])
+            tokens.append(idx)
         return tokens
+
+
+def uniform(seed: int, counter: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, counter): 53 bits of splitmix64."""
+    return (mix_seed(seed, counter) >> 10) / float(1 << 53)
 
 
 def _row_safe(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,10 @@ class KVCache:
 class AttentionBackend(Protocol):
     name: str
 
+    def prepare(self, meta: AttentionMetadata, num_kv_heads: int, num_heads: int, block_size: int) -> None:
+        """Per-step work shared by all layers (index plans, masks); called once before the forward."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotary already applied

@@ -3,28 +3,107 @@
 Batch invariance (a request's output does not depend on its batch, its chunking or its query length) needs every
 query row to see the same floating-point operations in the same order whatever else is computed beside it:
 
-- keys are visited in fixed tiles aligned to absolute position 0 (online softmax, as flash attention does), so the
-  reduction order over keys depends only on the query's own position; tiles that are fully masked for a query are
-  exact no-ops for it (scale by exp(0) = 1, add 0);
-- every matmul has at least MIN_ROWS rows, because CPU BLAS switches to a differently-ordered kernel for very
-  small M (measured on this machine: rows differ for M <= 3, agree for every M >= 4);
-- short queries (decode, speculative verification) are batched together, padded to SHORT_QUERY rows each, and long
-  queries (prefill chunks) run one request at a time; both paths give the same bits per row.
+- a row's softmax uses the maximum over its visible keys (exact in any order) and sums keys in fixed tiles of TILE
+  keys aligned to position 0, then adds the tiles up one by one in order; a tile that is fully masked for a row adds
+  exact zeros, so padding the key range never changes a row's result;
+- every matmul has at least MIN_ROWS rows, because CPU BLAS switches to a differently-ordered kernel for very small M
+  (measured on this machine: rows differ for M <= 3, agree for every M >= 4);
+- short queries (decode, speculative verification) are batched across requests, long queries (prefill chunks) run
+  one request at a time; both give the same bits per row.
+
+The per-step plan (gather indices, masks, output rows) is built once in prepare() and reused by every layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from dspark.worker.attention.base import AttentionMetadata, KVCache
 
-TILE = 256  # keys per online-softmax tile; fixed, aligned to position 0
+TILE = 64  # keys per partial sum; fixed, aligned to position 0
 SHORT_QUERY = 8  # queries at most this long are batched across requests
 MIN_ROWS = 8
 
 
+@dataclass
+class _Group:
+    """Requests attended together: queries padded to q_pad each, keys padded to whole tiles."""
+
+    q_pad: int
+    num_tiles: int
+    query_rows: torch.Tensor  # [G, q_pad] token index of each (padded) query
+    key_slots: torch.Tensor  # [G, num_tiles * TILE] flat cache slot of each key (padding: slot 0, masked)
+    mask_bias: torch.Tensor  # [G, 1, rows, num_tiles * TILE] 0 where visible, -inf elsewhere
+    out_dst: torch.Tensor  # [n] token indices written
+    out_src: torch.Tensor  # [n] flat (g * q_pad + j) rows they come from
+
+
 class TorchAttention:
     name = "torch"
+
+    def __init__(self) -> None:
+        self._groups: list[_Group] = []
+        self._meta: AttentionMetadata | None = None
+
+    def prepare(self, meta: AttentionMetadata, num_kv_heads: int, num_heads: int, block_size: int) -> None:
+        """Build this step's plan; called once per step by the model runner, before the forward."""
+        starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        q_lens = [starts[r + 1] - starts[r] for r in range(meta.num_reqs)]
+        short = [r for r in range(meta.num_reqs) if q_lens[r] <= SHORT_QUERY]
+        groups = [short] if short else []
+        groups += [[r] for r in range(meta.num_reqs) if q_lens[r] > SHORT_QUERY]
+        group_size = num_heads // num_kv_heads
+        tables = meta.block_tables.long()
+        self._groups = [
+            self._plan(meta, reqs, max(q_lens[r] for r in reqs), group_size, block_size, tables, starts, lens)
+            for reqs in groups
+        ]
+        self._meta = meta
+
+    def _plan(
+        self,
+        meta: AttentionMetadata,
+        reqs: list[int],
+        q_pad: int,
+        group_size: int,
+        block_size: int,
+        tables: torch.Tensor,
+        starts: list[int],
+        lens: list[int],
+    ) -> _Group:
+        device = meta.slot_mapping.device
+        num_tiles = -(-max(lens[r] for r in reqs) // TILE)
+        rows, q_pos, dst, src = [], [], [], []
+        for g, r in enumerate(reqs):
+            n_q = starts[r + 1] - starts[r]
+            rows.append(list(range(starts[r], starts[r + 1])) + [starts[r]] * (q_pad - n_q))
+            q_pos.append(list(range(lens[r] - n_q, lens[r])) + [0] * (q_pad - n_q))
+            dst += range(starts[r], starts[r + 1])
+            src += range(g * q_pad, g * q_pad + n_q)
+        qpos = torch.tensor(q_pos, device=device)  # [G, q_pad]; padding rows sit at position 0
+        # Rows of one matmul are (head in kv group, query); pad them up to MIN_ROWS at position 0.
+        qpos_rows = qpos[:, None, :].expand(len(reqs), group_size, q_pad).reshape(len(reqs), group_size * q_pad)
+        extra = max(0, MIN_ROWS - group_size * q_pad)
+        qpos_rows = torch.cat([qpos_rows, qpos_rows.new_zeros(len(reqs), extra)], dim=1)
+        kpos = torch.arange(num_tiles * TILE, device=device)
+        visible = kpos[None, None, :] <= qpos_rows[:, :, None]  # [G, rows, keys]
+        mask_bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None]
+        blocks = tables[reqs][:, : -(-num_tiles * TILE // block_size)]
+        if blocks.shape[1] * block_size < num_tiles * TILE:  # pad with block 0: finite values, always masked
+            missing = -(-num_tiles * TILE // block_size) - blocks.shape[1]
+            blocks = torch.cat([blocks, blocks.new_zeros(len(reqs), missing)], dim=1)
+        slots = (blocks[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
+        return _Group(
+            q_pad=q_pad,
+            num_tiles=num_tiles,
+            query_rows=torch.tensor(rows, device=device),
+            key_slots=slots[:, : num_tiles * TILE],
+            mask_bias=mask_bias,
+            out_dst=torch.tensor(dst, device=device),
+            out_src=torch.tensor(src, device=device),
+        )
 
     def forward(
         self,
@@ -35,16 +114,12 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        assert meta is self._meta, "prepare() must be called with this step's metadata"
         n = meta.num_actual_tokens
         write_kv(cache, k[:n], v[:n], meta.slot_mapping[:n])
         out = torch.zeros_like(q)
-        starts = meta.query_start_loc_cpu
-        short = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] <= SHORT_QUERY]
-        long = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] > SHORT_QUERY]
-        if short:
-            _attend_group(q, out, cache, meta, short, SHORT_QUERY, scale)
-        for r in long:
-            _attend_group(q, out, cache, meta, [r], starts[r + 1] - starts[r], scale)
+        for group in self._groups:
+            _attend(q, out, cache, group, scale)
         return out
 
 
@@ -55,71 +130,34 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
     cache.value.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(cache.value.dtype))
 
 
-def _attend_group(
-    q: torch.Tensor,
-    out: torch.Tensor,
-    cache: KVCache,
-    meta: AttentionMetadata,
-    reqs: list[int],
-    q_pad: int,
-    scale: float,
-) -> None:
-    """Attention for requests `reqs`, each with its queries padded to q_pad rows; writes rows of `out`."""
-    device = q.device
+def _attend(q: torch.Tensor, out: torch.Tensor, cache: KVCache, group: _Group, scale: float) -> None:
     num_heads, head_dim = q.shape[1:]
-    block_size, num_kv_heads = cache.key.shape[1:3]
-    group = num_heads // num_kv_heads
-    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    num_tiles = -(-max(lens[r] for r in reqs) // TILE)
-    blocks_per_tile = -(-TILE // block_size)
-    num_blocks = num_tiles * blocks_per_tile
+    num_kv_heads = cache.key.shape[2]
+    size = num_heads // num_kv_heads
+    num_reqs, q_pad = group.query_rows.shape
+    rows = group.mask_bias.shape[2]
 
-    # Gather queries into [G, q_pad, H, D] and their absolute positions; padding rows sit at position 0.
-    rows, q_pos = [], []
-    for r in reqs:
-        n_q = starts[r + 1] - starts[r]
-        first = lens[r] - n_q
-        rows.append(list(range(starts[r], starts[r + 1])) + [starts[r]] * (q_pad - n_q))
-        q_pos.append(list(range(first, lens[r])) + [0] * (q_pad - n_q))
-    row_idx = torch.tensor(rows, device=device)
-    qpos = torch.tensor(q_pos, device=device)  # [G, q_pad]
-    qg = q[row_idx].float()  # [G, q_pad, H, D]
-    # [G, Hkv, group * q_pad, D]: heads sharing a kv head become rows of one matmul (GQA without copying keys).
-    qg = qg.view(len(reqs), q_pad, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qg = qg.reshape(len(reqs), num_kv_heads, group * q_pad, head_dim)
-    qpos_rows = qpos[:, None, :].expand(len(reqs), group, q_pad).reshape(len(reqs), 1, group * q_pad)
-    pad_rows = max(0, MIN_ROWS - group * q_pad)
-    if pad_rows:
-        qg = torch.cat([qg, qg.new_zeros(len(reqs), num_kv_heads, pad_rows, head_dim)], dim=2)
-        qpos_rows = torch.cat([qpos_rows, qpos_rows.new_zeros(len(reqs), 1, pad_rows)], dim=2)
+    # [G, Hkv, rows, D]: heads sharing a kv head become rows of one matmul (GQA without copying keys).
+    qg = q[group.query_rows].float().view(num_reqs, q_pad, num_kv_heads, size, head_dim)
+    qg = qg.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, size * q_pad, head_dim)
+    if rows > size * q_pad:
+        qg = torch.cat([qg, qg.new_zeros(num_reqs, num_kv_heads, rows - size * q_pad, head_dim)], dim=2)
+    keys = cache.key.view(-1, num_kv_heads, head_dim)[group.key_slots].float().transpose(1, 2)  # [G, Hkv, L, D]
+    values = cache.value.view(-1, num_kv_heads, head_dim)[group.key_slots].float().transpose(1, 2)
 
-    # Block tables padded with block 0 (always holds finite values) up to whole tiles; those keys are masked.
-    table = meta.block_tables[reqs][:, : min(num_blocks, meta.block_tables.shape[1])].long()
-    if table.shape[1] < num_blocks:
-        table = torch.cat([table, table.new_zeros(len(reqs), num_blocks - table.shape[1])], dim=1)
-    keys = cache.key[table].flatten(1, 2)[:, : num_tiles * TILE]  # [G, tiles*TILE, Hkv, D]
-    values = cache.value[table].flatten(1, 2)[:, : num_tiles * TILE]
-
-    m = torch.full(qg.shape[:3], float("-inf"), device=device)
-    denom = torch.zeros(qg.shape[:3], device=device)
-    acc = torch.zeros(qg.shape, device=device)
-    for t in range(num_tiles):
-        kt = keys[:, t * TILE : (t + 1) * TILE].float().transpose(1, 2)  # [G, Hkv, TILE, D]
-        vt = values[:, t * TILE : (t + 1) * TILE].float().transpose(1, 2)
-        kpos = torch.arange(t * TILE, (t + 1) * TILE, device=device)
-        visible = kpos[None, None, None, :] <= qpos_rows[..., None]  # [G, 1, rows, TILE]
-        s = torch.matmul(qg, kt.transpose(-1, -2)) * scale
-        s = s.masked_fill(~visible, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))
-        # NOTE: a tile fully masked for a row leaves m_new == m (finite after tile 0), so alpha == 1 and p == 0.
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new[..., None])
-        denom = denom * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + torch.matmul(p, vt)
-        m = m_new
-    res = (acc / denom[..., None])[:, :, : group * q_pad]  # [G, Hkv, group*q_pad, D]
-    res = res.view(len(reqs), num_kv_heads, group, q_pad, head_dim).permute(0, 3, 1, 2, 4)
-    res = res.reshape(len(reqs), q_pad, num_heads, head_dim).to(out.dtype)
-    for g, r in enumerate(reqs):
-        n_q = starts[r + 1] - starts[r]
-        out[starts[r] : starts[r + 1]] = res[g, :n_q]
+    s = torch.matmul(qg, keys.transpose(-1, -2)) * scale + group.mask_bias  # [G, Hkv, rows, L]
+    m = s.amax(-1, keepdim=True)  # every row sees key 0, so m is finite
+    p = torch.exp(s - m)
+    tiles = group.num_tiles
+    p_tiles = p.view(num_reqs, num_kv_heads, rows, tiles, TILE)
+    denom_tiles = p_tiles.sum(-1)  # [G, Hkv, rows, tiles]: fixed-length sums
+    v_tiles = values.reshape(num_reqs, num_kv_heads, tiles, TILE, head_dim)
+    acc_tiles = torch.matmul(p_tiles.transpose(2, 3), v_tiles)  # [G, Hkv, tiles, rows, D]
+    denom, acc = denom_tiles[..., 0], acc_tiles[:, :, 0]
+    for t in range(1, tiles):  # NOTE: in order, one tile at a time: the sum's order never depends on the padding
+        denom = denom + denom_tiles[..., t]
+        acc = acc + acc_tiles[:, :, t]
+    res = (acc / denom[..., None])[:, :, : size * q_pad]  # [G, Hkv, size*q_pad, D]
+    res = res.view(num_reqs, num_kv_heads, size, q_pad, head_dim).permute(0, 3, 1, 2, 4)
+    res = res.reshape(num_reqs * q_pad, num_heads, head_dim).to(out.dtype)
+    out.index_copy_(0, group.out_dst, res[group.out_src])
