@@ -16,11 +16,8 @@ from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM
 from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache
 from dspark.worker.attention.torch_ref import TorchAttention
+from dspark.worker.numerics import padded_rows
 from dspark.worker.sampler import SampledRow, Sampler, SamplingRow
-
-# The flattened batch has at least this many rows: CPU BLAS orders a row's reduction differently when M <= 3
-# (see attention/torch_ref.py on batch invariance); from 4 rows up every row gets the same bits.
-MIN_TOKENS = 4
 
 
 @dataclass
@@ -76,7 +73,7 @@ class ModelRunner:
                 sampling_ids.append(req.request_id)
 
         num_actual = len(input_ids)
-        pad = max(0, MIN_TOKENS - num_actual)
+        pad = padded_rows(num_actual) - num_actual  # padding rows: token 0, position 0, slot -1
         dev = self.device
         max_blocks = max(len(t) for t in tables)
         meta = AttentionMetadata(
@@ -97,7 +94,7 @@ class ModelRunner:
         hidden = self.model(ids, pos, AttentionContext(self.backend, meta, self.kv_caches))
         if not logit_rows:
             return RunnerOutput({})
-        rows = logit_rows + [logit_rows[-1]] * max(0, MIN_TOKENS - len(logit_rows))
+        rows = logit_rows + [logit_rows[-1]] * (padded_rows(len(logit_rows)) - len(logit_rows))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
         sampled = self.sampler(logits, [sampling_row(s.request) for s in sched.scheduled if s.samples])
         return RunnerOutput(dict(zip(sampling_ids, sampled, strict=True)))

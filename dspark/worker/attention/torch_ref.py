@@ -6,8 +6,10 @@ query row to see the same floating-point operations in the same order whatever e
 - a row's softmax uses the maximum over its visible keys (exact in any order) and sums keys in fixed tiles of TILE
   keys aligned to position 0, then adds the tiles up one by one in order; a tile that is fully masked for a row adds
   exact zeros, so padding the key range never changes a row's result;
+- tiles are a batch dimension of every matmul, so a matmul's N and K never depend on the context length (BLAS may
+  pick another kernel, and another summation order, for another N);
 - every matmul has at least MIN_ROWS rows, because CPU BLAS switches to a differently-ordered kernel for very small M
-  (measured on this machine: rows differ for M <= 3, agree for every M >= 4);
+  (see worker/numerics.py);
 - short queries (decode, speculative verification) are batched across requests, long queries (prefill chunks) run
   one request at a time; both give the same bits per row.
 
@@ -35,7 +37,7 @@ class _Group:
     num_tiles: int
     query_rows: torch.Tensor  # [G, q_pad] token index of each (padded) query
     key_slots: torch.Tensor  # [G, num_tiles * TILE] flat cache slot of each key (padding: slot 0, masked)
-    mask_bias: torch.Tensor  # [G, 1, rows, num_tiles * TILE] 0 where visible, -inf elsewhere
+    mask_bias: torch.Tensor  # [G, 1, num_tiles, rows, TILE] 0 where visible, -inf elsewhere
     out_dst: torch.Tensor  # [n] token indices written
     out_src: torch.Tensor  # [n] flat (g * q_pad + j) rows they come from
 
@@ -89,7 +91,8 @@ class TorchAttention:
         qpos_rows = torch.cat([qpos_rows, qpos_rows.new_zeros(len(reqs), extra)], dim=1)
         kpos = torch.arange(num_tiles * TILE, device=device)
         visible = kpos[None, None, :] <= qpos_rows[:, :, None]  # [G, rows, keys]
-        mask_bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None]
+        mask_bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+        mask_bias = mask_bias.view(len(reqs), -1, num_tiles, TILE).transpose(1, 2)[:, None]
         blocks = tables[reqs][:, : -(-num_tiles * TILE // block_size)]
         if blocks.shape[1] * block_size < num_tiles * TILE:  # pad with block 0: finite values, always masked
             missing = -(-num_tiles * TILE // block_size) - blocks.shape[1]
@@ -135,7 +138,7 @@ def _attend(q: torch.Tensor, out: torch.Tensor, cache: KVCache, group: _Group, s
     num_kv_heads = cache.key.shape[2]
     size = num_heads // num_kv_heads
     num_reqs, q_pad = group.query_rows.shape
-    rows = group.mask_bias.shape[2]
+    rows = group.mask_bias.shape[3]
 
     # [G, Hkv, rows, D]: heads sharing a kv head become rows of one matmul (GQA without copying keys).
     qg = q[group.query_rows].float().view(num_reqs, q_pad, num_kv_heads, size, head_dim)
@@ -145,17 +148,19 @@ def _attend(q: torch.Tensor, out: torch.Tensor, cache: KVCache, group: _Group, s
     keys = cache.key.view(-1, num_kv_heads, head_dim)[group.key_slots].float().transpose(1, 2)  # [G, Hkv, L, D]
     values = cache.value.view(-1, num_kv_heads, head_dim)[group.key_slots].float().transpose(1, 2)
 
-    s = torch.matmul(qg, keys.transpose(-1, -2)) * scale + group.mask_bias  # [G, Hkv, rows, L]
-    m = s.amax(-1, keepdim=True)  # every row sees key 0, so m is finite
-    p = torch.exp(s - m)
+    # Tiles are a batch dimension, so every matmul has the same N (TILE or D) and K (D or TILE) whatever the context
+    # length; only M (rows) varies, and it is at least MIN_ROWS.
     tiles = group.num_tiles
-    p_tiles = p.view(num_reqs, num_kv_heads, rows, tiles, TILE)
-    denom_tiles = p_tiles.sum(-1)  # [G, Hkv, rows, tiles]: fixed-length sums
+    k_tiles = keys.reshape(num_reqs, num_kv_heads, tiles, TILE, head_dim)
     v_tiles = values.reshape(num_reqs, num_kv_heads, tiles, TILE, head_dim)
-    acc_tiles = torch.matmul(p_tiles.transpose(2, 3), v_tiles)  # [G, Hkv, tiles, rows, D]
-    denom, acc = denom_tiles[..., 0], acc_tiles[:, :, 0]
+    s = torch.matmul(qg[:, :, None], k_tiles.transpose(-1, -2)) * scale + group.mask_bias  # [G, Hkv, tiles, rows, TILE]
+    m = s.amax(dim=(2, 4), keepdim=True)  # exact in any order; every row sees key 0, so m is finite
+    p = torch.exp(s - m)
+    denom_tiles = p.sum(-1)  # [G, Hkv, tiles, rows]: fixed-length sums
+    acc_tiles = torch.matmul(p, v_tiles)  # [G, Hkv, tiles, rows, D]
+    denom, acc = denom_tiles[:, :, 0], acc_tiles[:, :, 0]
     for t in range(1, tiles):  # NOTE: in order, one tile at a time: the sum's order never depends on the padding
-        denom = denom + denom_tiles[..., t]
+        denom = denom + denom_tiles[:, :, t]
         acc = acc + acc_tiles[:, :, t]
     res = (acc / denom[..., None])[:, :, : size * q_pad]  # [G, Hkv, size*q_pad, D]
     res = res.view(num_reqs, num_kv_heads, size, q_pad, head_dim).permute(0, 3, 1, 2, 4)
