@@ -63,7 +63,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: bool = Tru
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help="weight and activation dtype; auto: bfloat16 on CUDA, float32 on CPU (default: %(default)s)",
+        help="weight and activation dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32 "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--device",

@@ -1,0 +1,5 @@
+"""`python -m dspark ...` is the `dspark` command."""
+
+from dspark.cli import main
+
+raise SystemExit(main())
