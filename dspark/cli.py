@@ -311,6 +311,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         dataset_path=args.dataset_path,
         chat=args.chat,
         hf=args.hf,
+        repeats=args.repeats,
         command=args.command_line,
     )
     if output is not None:
@@ -440,6 +441,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also run the transformers baseline (default: on)",
+    )
+    g.add_argument(
+        "--repeats",
+        metavar="R",
+        type=int,
+        default=1,
+        help="rounds, the arms alternating within each; medians are reported (default: %(default)s)",
     )
     g.add_argument("--output-json", metavar="PATH", help="write the results here")
     add_engine_args(tp, max_num_seqs=False)

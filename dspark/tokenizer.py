@@ -18,6 +18,7 @@ from dspark.errors import ModelLoadError
 from dspark.models.registry import cache_dir
 
 HEADER_BYTES = 16 << 20  # GGUF keeps its metadata (the vocabulary included) before the tensor data
+CACHE_VERSION = 2  # bump when the conversion changes, so stale cached tokenizers are not reused
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -33,15 +34,28 @@ def load_tokenizer(path: Path) -> Any:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # transformers raises many types for a missing or damaged tokenizer
         raise ModelLoadError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e})") from None
+    _special_tokens_from_metadata(tokenizer, path)
     _save(tokenizer, cached)
     return tokenizer
+
+
+def _special_tokens_from_metadata(tokenizer: Any, path: Path) -> None:
+    """Take BOS/EOS from the GGUF's own metadata: transformers' GGUF conversion guesses them differently across
+    versions (5.17 makes SmolLM2's EOS <|im_start|>, 5.24 <|im_end|>; the file says id 2, <|im_end|>)."""
+    from dspark.models.gguf_file import open_gguf
+
+    reader = open_gguf(path)
+    for attr, key in (("eos_token", "tokenizer.ggml.eos_token_id"), ("bos_token", "tokenizer.ggml.bos_token_id")):
+        field = reader.fields.get(key)
+        if field is not None:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(field.contents())))
 
 
 def _cache_path(gguf: Path) -> Path:
     h = hashlib.sha256()
     with open(gguf, "rb") as f:
         h.update(f.read(HEADER_BYTES))
-    key = f"{gguf.stem}-{gguf.stat().st_size}-{h.hexdigest()[:16]}"
+    key = f"{gguf.stem}-{gguf.stat().st_size}-{h.hexdigest()[:16]}-v{CACHE_VERSION}"
     return cache_dir() / "tokenizers" / key
 
 
