@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(VENV)/bin/dspark chat --once "$(PROMPT)" --max-tokens 256
+	$(VENV)/bin/dspark chat --once "$(PROMPT)" --max-tokens 256 --temperature 0.3 --top-p 0.9
 
 test: install
 	$(PY) -m pytest -q
