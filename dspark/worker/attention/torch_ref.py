@@ -26,7 +26,7 @@ from dspark.worker.attention.base import AttentionMetadata, KVCache
 
 TILE = 64  # keys per partial sum; fixed, aligned to position 0
 SHORT_QUERY = 8  # queries at most this long are batched across requests
-MIN_ROWS = 8
+MIN_ROWS = 4
 
 
 @dataclass
