@@ -25,7 +25,11 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
 
 
 def _check_float(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
         raise ConfigError(name, value, "must be a finite number")
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["

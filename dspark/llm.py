@@ -60,7 +60,13 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ConfigError("sampling_params", f"<{len(params)} items>", f"one per prompt ({len(prompts)})")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(p, sp))
+        except BaseException:
+            self.engine.abort_request(ids)  # all or nothing: no half-added batch runs in a later call
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(

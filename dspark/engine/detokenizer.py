@@ -19,7 +19,6 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -33,5 +32,4 @@ class IncrementalDetokenizer:
             return ""
         delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
         return delta

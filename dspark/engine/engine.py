@@ -130,6 +130,10 @@ class LLMEngine:
                 raise ConfigError("prompt_token_ids", bad, f"token ids must be integers in [0, {vocab})")
         if not ids:
             raise ConfigError("prompt", prompt, "must not be empty")
+        vocab = self.model_config.vocab_size
+        bad_stop = next((t for t in params.stop_token_ids or [] if t >= vocab), None)
+        if bad_stop is not None:
+            raise ConfigError("stop_token_ids", bad_stop, f"token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ConfigError(
                 "prompt",
@@ -198,16 +202,13 @@ class LLMEngine:
         self.stats["num_generation_tokens"] += 1
         if sampled.logprob is not None:
             entry = {token: Logprob(sampled.logprob, sampled.rank or 1)}
-            for tid, lp in sampled.top_logprobs or []:
-                entry.setdefault(tid, Logprob(lp, 0))
-            for rank, tid in enumerate(t for t, _ in sampled.top_logprobs or []):
-                entry[tid].rank = rank + 1
+            for rank, (tid, lp) in enumerate(sampled.top_logprobs or [], start=1):
+                entry.setdefault(tid, Logprob(lp, rank))  # the sampled token keeps its own rank (ties: equal)
             for tid, lp in entry.items():
                 lp.decoded_token = self.tokenizer.decode([tid])
             req.logprobs.append(entry)
             req.cumulative_logprob += sampled.logprob
 
-        delta = tracked.detok.add([token])
         status = None
         n_out = req.num_output_tokens
         if n_out >= p.min_tokens:
@@ -215,6 +216,9 @@ class LLMEngine:
                 status = RequestStatus.FINISHED_STOPPED
             elif token in p.stop_token_ids:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        # As vLLM: the text of the token that stopped the request is left out unless asked for.
+        keep_text = status is None or p.include_stop_str_in_output
+        delta = tracked.detok.add([token]) if keep_text else ""
         tracked.text += delta
         if status is None and delta and p.stop and n_out >= p.min_tokens:
             status = self._check_stop_strings(tracked, len(delta))
@@ -262,7 +266,7 @@ class LLMEngine:
             text=tracked.text,
             token_ids=req.output_token_ids,
             cumulative_logprob=req.cumulative_logprob if req.sampling_params.logprobs is not None else None,
-            logprobs=req.logprobs if req.sampling_params.logprobs is not None else None,
+            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
         )

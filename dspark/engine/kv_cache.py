@@ -7,16 +7,23 @@ blocks are reused least-recently-freed first.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from dspark.engine.request import Request
 
 
-def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    # NOTE: Python's hash of a tuple of ints is deterministic across runs (no hash randomisation for ints), and the
-    # chain through `parent` makes a block's hash depend on the whole prefix before it.
-    return hash((parent, tuple(tokens)))
+def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """sha256 over the parent's hash and this block's token ids: a block's hash covers the whole prefix before it.
+
+    NOTE: a cryptographic hash, because a hit reuses another request's KV without comparing tokens: a 64-bit hash
+    could be made to collide by a crafted prompt, and Python's hash() is not stable across runs.
+    """
+    h = hashlib.sha256(parent or b"dspark-kv-root")
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 class KVCacheManager:
@@ -25,8 +32,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.hash_of: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.num_prefix_hits = 0  # tokens served from the prefix cache, for metrics
         self.num_prefix_queries = 0
@@ -56,7 +63,7 @@ class KVCacheManager:
         bs = self.block_size
         tokens = req.all_token_ids
         hits: list[int] = []
-        parent: int | None = None
+        parent: bytes | None = None
         for i in range((len(tokens) - 1) // bs):
             parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
             block = self.cached.get(parent)
@@ -81,7 +88,9 @@ class KVCacheManager:
             self.num_prefix_queries += req.num_tokens
             self.num_prefix_hits += len(prefix_blocks) * self.block_size
         req.num_computed_tokens += len(prefix_blocks) * self.block_size
-        req.num_cached_tokens = max(req.num_cached_tokens, len(prefix_blocks) * self.block_size)
+        req.num_cached_tokens = max(
+            req.num_cached_tokens, min(len(prefix_blocks) * self.block_size, req.num_prompt_tokens)
+        )
         for _ in range(max(0, num_new_blocks)):
             b, _ = self.free.popitem(last=False)
             old = self.hash_of[b]

@@ -29,7 +29,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-by-field: `in running` and `remove` must not compare token lists
 class Request:
     request_id: str
     prompt: str | None
@@ -43,7 +43,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None

@@ -20,11 +20,11 @@ from dspark.engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    samples: bool = field(init=False)  # this step brings the request level with its tokens, so it emits one
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step brings the request level with its tokens, so it emits one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        # NOTE: fixed now, while num_computed_tokens still counts the tokens before this step.
+        self.samples = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -78,9 +78,7 @@ class Scheduler:
         # Admit waiting requests only when nobody was preempted this step (they would just thrash).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            prefix_blocks, num_prefix = ([], 0)
-            if req.num_computed_tokens == 0:
-                prefix_blocks, num_prefix = self.kv.computed_prefix(req)
+            prefix_blocks, num_prefix = self.kv.computed_prefix(req)  # waiting requests have nothing computed
             num_new = min(req.num_tokens - req.num_computed_tokens - num_prefix, budget)
             if not self.kv.allocate(req, num_new, prefix_blocks):
                 break

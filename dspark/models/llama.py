@@ -7,7 +7,6 @@ The forward takes one flattened batch of tokens; attention goes through the cont
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.config import ModelConfig
@@ -88,7 +87,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        # NOTE: not F.silu: with 5+ threads torch splits its vectorised loop mid-row and a row's bits then depend on
+        # the batch size; exp and division stay element-wise exact (tests/worker/test_numerics.py).
+        return self.down_proj(gate / (1 + torch.exp(-gate)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

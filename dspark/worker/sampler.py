@@ -10,12 +10,11 @@ Sampling inverts the row's CDF (accumulated in fp64) at that uniform, which draw
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-MIN_ROWS = 8  # see worker/attention/torch_ref.py: small-M kernels reorder reductions on CPU
+GREEDY_BELOW = 1e-5  # temperatures under this mean argmax
 _MASK64 = (1 << 64) - 1
 
 
@@ -45,6 +44,10 @@ class SamplingRow:
     banned_token_ids: tuple[int, ...] = ()  # stop tokens masked while min_tokens is not reached
     num_logprobs: int | None = None
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
 
 @dataclass
 class SampledRow:
@@ -60,7 +63,7 @@ class Sampler:
         n = len(rows)
         raw = logits[:n]
         want_logprobs = any(r.num_logprobs is not None for r in rows)
-        raw_logprobs = _row_safe(torch.log_softmax, logits)[:n] if want_logprobs else None
+        raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
 
         x = raw.clone()
         for i, r in enumerate(rows):
@@ -86,13 +89,10 @@ class Sampler:
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The distribution each row samples from: temperature, min_p, top_k, top_p applied. Greedy rows: one-hot."""
         vocab = logits.shape[1]
-        temps = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=logits.device)
-        if all(r.temperature < 1e-5 for r in rows):
-            probs = torch.zeros_like(logits)
-        else:
-            probs = _row_safe(torch.softmax, logits / temps[:, None])
+        temps = torch.tensor([max(r.temperature, GREEDY_BELOW) for r in rows], device=logits.device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
         for i, r in enumerate(rows):
-            if r.temperature < 1e-5:
+            if r.greedy:
                 probs[i] = 0.0
                 probs[i, int(torch.argmax(logits[i]))] = 1.0
                 continue
@@ -117,7 +117,7 @@ class Sampler:
         """Inverse-CDF sampling with one counter-based uniform per row (no generator state, no vocab-sized noise)."""
         tokens = []
         for i, r in enumerate(rows):
-            if r.temperature < 1e-5:
+            if r.greedy:
                 tokens.append(int(torch.argmax(logits[i])))
                 continue
             cdf = torch.cumsum(probs[i].double(), 0)  # sequential per row: the same bits in any batch
@@ -133,15 +133,6 @@ class Sampler:
 def uniform(seed: int, counter: int) -> float:
     """A uniform in [0, 1) that depends only on (seed, counter): 53 bits of splitmix64."""
     return (mix_seed(seed, counter) >> 10) / float(1 << 53)
-
-
-def _row_safe(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Apply a row-wise op with at least MIN_ROWS rows, so small batches reduce in the same order as large ones."""
-    n = x.shape[0]
-    if n >= MIN_ROWS:
-        return fn(x, dim=-1)
-    padded = torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
-    return fn(padded, dim=-1)[:n]
 
 
 def _apply_penalties(row: torch.Tensor, r: SamplingRow) -> None:

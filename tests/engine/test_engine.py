@@ -125,3 +125,29 @@ def test_request_metrics(llm: LLM) -> None:
 def test_chat_rejects_malformed_messages(llm: LLM) -> None:
     with pytest.raises(ConfigError, match=r"messages\[0\]"):
         llm.chat([{"role": "user"}])  # type: ignore[list-item]
+
+
+def test_stop_token_text_is_left_out(llm: LLM) -> None:
+    ref = _greedy(llm, PROMPT, 12)
+    stop_at = ref[5]
+    first = ref.index(stop_at)
+    for include in (False, True):
+        params = SamplingParams(
+            temperature=0, max_tokens=12, stop_token_ids=[stop_at], include_stop_str_in_output=include
+        )
+        out = llm.generate([PROMPT], params)[0].outputs[0]
+        kept = ref[: first + 1] if include else ref[:first]
+        assert out.token_ids == ref[: first + 1]  # the stop token is always among the token ids
+        assert out.text == llm.tokenizer.decode(kept, skip_special_tokens=True)
+
+
+def test_bad_request_in_a_batch_adds_nothing(llm: LLM) -> None:
+    with pytest.raises(ConfigError) as e:
+        llm.generate([PROMPT, PROMPT], [SamplingParams(), SamplingParams(stop_token_ids=[10**6])])
+    assert e.value.field == "stop_token_ids"
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_huge_numbers_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="temperature"):
+        SamplingParams(temperature=10**400)
