@@ -115,23 +115,30 @@ class Sampler:
 
     def sample(self, probs: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         """Inverse-CDF sampling with one counter-based uniform per row (no generator state, no vocab-sized noise)."""
-        tokens = []
-        for i, r in enumerate(rows):
-            if r.greedy:
-                tokens.append(int(torch.argmax(logits[i])))
-                continue
-            cdf = torch.cumsum(probs[i].double(), 0)  # sequential per row: the same bits in any batch
-            u = uniform(r.seed, r.counter) * cdf[-1]
-            idx = int(torch.searchsorted(cdf, u.view(1), right=True))
-            # NOTE: u < total, but rounding can land it on the last step; never return a zero-probability token.
-            if idx >= len(cdf) or probs[i, idx] <= 0:
-                idx = int(torch.nonzero(probs[i] > 0)[-1])
-            tokens.append(idx)
-        return tokens
+        return [
+            int(torch.argmax(logits[i])) if r.greedy else inverse_cdf(probs[i], uniform(r.seed, r.counter))
+            for i, r in enumerate(rows)
+        ]
 
 
-def uniform(seed: int, counter: int) -> float:
-    """A uniform in [0, 1) that depends only on (seed, counter): 53 bits of splitmix64."""
+def inverse_cdf(p: torch.Tensor, u: float) -> int:
+    """The token at quantile u in [0, 1) of the (possibly unnormalised) distribution p: [vocab]."""
+    cdf = torch.cumsum(p.double(), 0)  # sequential per row: the same bits in any batch
+    idx = int(torch.searchsorted(cdf, (u * cdf[-1]).view(1), right=True))
+    # NOTE: u < 1, but rounding can land u * total on the last step; never return a zero-probability token.
+    if idx >= len(cdf) or p[idx] <= 0:
+        idx = int(torch.nonzero(p > 0)[-1])
+    return idx
+
+
+def uniform(seed: int, counter: int, stream: int = 0) -> float:
+    """A uniform in [0, 1) that depends only on (seed, counter, stream): 53 bits of splitmix64.
+
+    Stream 0 is the token sampled at output position `counter`; speculative verification draws its acceptance tests
+    from other streams, so they never reuse the sampling draw.
+    """
+    if stream:
+        seed = mix_seed(seed, stream)
     return (mix_seed(seed, counter) >> 10) / float(1 << 53)
 
 

@@ -1,0 +1,91 @@
+"""Lossless verification of drafted tokens, each request with its own number of drafts (0..K) plus one bonus.
+
+For request r with drafts x_1..x_l, target distributions p_1..p_{l+1} (already shaped by temperature, top-k/p,
+min-p and penalties exactly as the non-speculative sampler shapes them) and, for probabilistic drafters, draft
+distributions q_1..q_l:
+
+- greedy (temperature 0): accept x_k while x_k = argmax p_k; the first mismatch emits argmax p_k instead.
+- probabilistic (Leviathan et al. / Chen et al.): accept x_k with probability min(1, p_k(x_k) / q_k(x_k)); on
+  rejection emit a sample of normalise(max(p_k - q_k, 0)). Every emitted token is then distributed exactly as p.
+- strict (drafters without probabilities, e.g. n-gram): emit the token the non-speculative sampler would draw at
+  that position (same seed, same output index, same uniform) and accept x_k only if it is that token. Seeded
+  output is then identical with and without speculation, not just equal in distribution.
+
+When all l drafts are accepted, the bonus token is sampled from p_{l+1} as the plain sampler would.
+
+Randomness is counter-based (worker/sampler.py): output position n of a request uses uniform(seed, n) for sampling,
+and separate streams for the acceptance test and the residual draw, so results do not depend on the batch.
+Whether a draft is verified at all must not depend on its value (the scheduler's job, DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.worker.sampler import inverse_cdf, uniform
+
+METHODS = ("probabilistic", "strict")
+ACCEPT_STREAM = 1
+RESIDUAL_STREAM = 2
+
+
+@dataclass
+class VerifyRow:
+    """One request's drafts in this step."""
+
+    seed: int
+    first_counter: int  # output index of the first drafted token
+    draft_tokens: list[int]
+    greedy: bool = False
+
+
+def verify(
+    target_probs: torch.Tensor,  # [sum(l_r + 1), vocab]: rows of request r are back to back, bonus row last
+    draft_probs: torch.Tensor | None,  # [sum(l_r), vocab], rows back to back; None for strict verification
+    rows: list[VerifyRow],
+    method: str = "probabilistic",
+) -> list[list[int]]:
+    """The tokens each request emits this step: its accepted drafts, then one corrected or bonus token."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: one of {', '.join(METHODS)}")
+    if method == "probabilistic" and draft_probs is None:
+        raise ValueError("probabilistic verification needs the draft distributions")
+    expected = sum(len(r.draft_tokens) + 1 for r in rows)
+    if target_probs.shape[0] != expected:
+        raise ValueError(f"target_probs has {target_probs.shape[0]} rows, the drafts need {expected}")
+    out: list[list[int]] = []
+    t_row = d_row = 0
+    for r in rows:
+        emitted: list[int] = []
+        for k, x in enumerate(r.draft_tokens):
+            p = target_probs[t_row + k]
+            n = r.first_counter + k
+            if r.greedy:
+                choice = int(torch.argmax(p))
+            elif method == "strict":
+                choice = inverse_cdf(p, uniform(r.seed, n))
+            else:
+                q = draft_probs[d_row + k]  # type: ignore[index]
+                # NOTE: u * q < p rather than u < p / q: exact when q(x) = 0 (a draft the drafter could not have
+                # proposed is always accepted only if the target allows it).
+                choice = x if uniform(r.seed, n, ACCEPT_STREAM) * float(q[x]) < float(p[x]) else _residual(p, q, r, n)
+            emitted.append(choice)
+            if choice != x:
+                break
+        else:  # every draft accepted: the bonus token, drawn as plain sampling would draw it
+            p = target_probs[t_row + len(r.draft_tokens)]
+            n = r.first_counter + len(r.draft_tokens)
+            emitted.append(int(torch.argmax(p)) if r.greedy else inverse_cdf(p, uniform(r.seed, n)))
+        out.append(emitted)
+        t_row += len(r.draft_tokens) + 1
+        d_row += len(r.draft_tokens)
+    return out
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor, r: VerifyRow, n: int) -> int:
+    residual = (p.double() - q.double()).clamp_(min=0.0)
+    if float(residual.sum()) <= 0.0:  # p == q: a rejection has probability 0; guard the rounding case
+        return inverse_cdf(p, uniform(r.seed, n, RESIDUAL_STREAM))
+    return inverse_cdf(residual, uniform(r.seed, n, RESIDUAL_STREAM))

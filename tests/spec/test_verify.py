@@ -1,0 +1,119 @@
+"""Lossless verification: exact greedy cases, strict mode equal to plain seeded sampling, and the emitted
+distribution equal to the target's for several draft/target pairs (statistical tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.spec.verify import VerifyRow, verify
+from dspark.worker.sampler import inverse_cdf, uniform
+
+V = 6
+
+
+def _dist(*w: float) -> torch.Tensor:
+    t = torch.tensor(w, dtype=torch.float32)
+    return t / t.sum()
+
+
+def test_greedy_accepts_the_matching_prefix_then_corrects() -> None:
+    p = torch.eye(V)[[2, 4, 1, 5]]  # argmax per position: 2, 4, 1, bonus 5
+    rows = [VerifyRow(seed=0, first_counter=0, draft_tokens=[2, 4, 3], greedy=True)]
+    assert verify(p, None, rows, "strict") == [[2, 4, 1]]
+    rows = [VerifyRow(seed=0, first_counter=0, draft_tokens=[2, 4, 1], greedy=True)]
+    assert verify(p, None, rows, "strict") == [[2, 4, 1, 5]]  # all accepted: the bonus
+    rows = [VerifyRow(seed=0, first_counter=0, draft_tokens=[], greedy=True)]
+    assert verify(p[:1], None, rows, "strict") == [[2]]  # no drafts: plain greedy
+
+
+def test_ragged_batch_rows_are_independent() -> None:
+    p = torch.eye(V)[[1, 2, 3, 0, 5, 4]]
+    rows = [
+        VerifyRow(0, 0, [1, 2], greedy=True),  # rows 0-2
+        VerifyRow(0, 7, [], greedy=True),  # row 3
+        VerifyRow(0, 3, [0], greedy=True),  # rows 4-5: 0 != 5, corrected
+    ]
+    assert verify(p, None, rows, "strict") == [[1, 2, 3], [0], [5]]
+
+
+def test_strict_equals_plain_seeded_sampling() -> None:
+    """Whatever the drafts, strict verification emits what non-speculative sampling would have emitted."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(5, V, generator=g), dim=-1)
+    seed, start = 1234, 10
+    plain = [inverse_cdf(probs[k], uniform(seed, start + k)) for k in range(5)]
+    for drafts in (
+        [plain[0], plain[1], plain[2], plain[3]],
+        [plain[0], (plain[1] + 1) % V, 0, 0],
+        [(plain[0] + 1) % V],
+    ):
+        out = verify(probs[: len(drafts) + 1], None, [VerifyRow(seed, start, list(drafts))], "strict")[0]
+        assert out == plain[: len(out)]
+        assert len(out) == next((k + 1 for k, x in enumerate(drafts) if x != plain[k]), len(drafts) + 1)
+
+
+PAIRS = {
+    "same": (_dist(5, 1, 1, 1, 1, 1), _dist(5, 1, 1, 1, 1, 1)),
+    "uniform draft": (_dist(6, 3, 1, 0, 0, 0), _dist(1, 1, 1, 1, 1, 1)),
+    "draft misses target tokens": (_dist(1, 1, 1, 1, 0, 0), _dist(0, 0, 1, 0, 1, 1)),
+    "disjoint supports": (_dist(1, 2, 0, 0, 0, 0), _dist(0, 0, 0, 1, 1, 1)),
+    "peaked wrong draft": (_dist(1, 1, 1, 1, 1, 1), _dist(0, 0, 0, 0, 0, 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_probabilistic_first_token_has_the_target_distribution(name: str) -> None:
+    p, q = PAIRS[name]
+    n = 20000
+    counts = torch.zeros(V)
+    for seed in range(n):
+        # The draft is sampled from q with its own randomness, as a drafter would.
+        x = inverse_cdf(q, uniform(seed, 0, stream=7))
+        out = verify(torch.stack([p, p]), q[None], [VerifyRow(seed, 0, [x])])[0]
+        counts[out[0]] += 1
+    expected = p * n
+    mask = expected > 0
+    assert counts[~mask].sum() == 0, "a token the target gives probability 0 was emitted"
+    chi2 = float((((counts - expected) ** 2)[mask] / expected[mask]).sum())
+    # Critical value of chi-square at p = 0.001 with up to 5 degrees of freedom is 20.5; seeds are fixed, no flakes.
+    assert chi2 < 20.5, f"{name}: emitted {counts.tolist()} vs expected {expected.tolist()} (chi2 {chi2:.1f})"
+
+
+def test_probabilistic_second_token_after_acceptance_has_the_target_distribution() -> None:
+    p1, q1 = _dist(3, 1, 1, 1, 1, 1), _dist(1, 1, 1, 1, 1, 1)
+    p2, q2 = _dist(1, 4, 0, 2, 1, 0), _dist(2, 1, 1, 0, 1, 1)
+    n = 30000
+    counts = torch.zeros(V)
+    for seed in range(n):
+        x1 = inverse_cdf(q1, uniform(seed, 0, stream=7))
+        x2 = inverse_cdf(q2, uniform(seed, 1, stream=7))
+        out = verify(torch.stack([p1, p2, p2]), torch.stack([q1, q2]), [VerifyRow(seed, 0, [x1, x2])])[0]
+        if len(out) >= 2:
+            counts[out[1]] += 1
+    total = counts.sum()
+    expected = p2 * total
+    mask = expected > 0
+    assert counts[~mask].sum() == 0
+    chi2 = float((((counts - expected) ** 2)[mask] / expected[mask]).sum())
+    assert chi2 < 18.5, f"second token {counts.tolist()} vs expected {expected.tolist()} (chi2 {chi2:.1f})"
+
+
+def test_verification_is_seed_reproducible() -> None:
+    p, q = PAIRS["uniform draft"]
+    rows = [VerifyRow(s, 3, [1, 2]) for s in range(50)]
+    tp = torch.stack([p, p, p] * 50)
+    dp = torch.stack([q, q] * 50)
+    assert verify(tp, dp, rows) == verify(tp, dp, rows)
+    # A request's result does not depend on its neighbours.
+    assert verify(tp[3:6], dp[2:4], rows[1:2])[0] == verify(tp, dp, rows)[1]
+
+
+def test_bad_arguments() -> None:
+    p = torch.eye(V)[:2]
+    with pytest.raises(ValueError, match="method"):
+        verify(p, None, [VerifyRow(0, 0, [1])], "magic")
+    with pytest.raises(ValueError, match="draft distributions"):
+        verify(p, None, [VerifyRow(0, 0, [1])], "probabilistic")
+    with pytest.raises(ValueError, match="rows"):
+        verify(p, None, [VerifyRow(0, 0, [1, 2])], "strict")
