@@ -1,0 +1,36 @@
+"""N-gram (prompt lookup) drafting: speculation for any model with nothing to train.
+
+If the request's last n tokens appeared earlier in its prompt or output, propose the tokens that followed that
+earlier occurrence. Longer matches are tried first (max_n down to min_n); among occurrences of the same n-gram the
+most recent wins (it is the likeliest to be continued the same way). The drafter has no probabilities, so its
+drafts are verified strictly (spec/verify.py), and no state: nothing to roll back when drafts are rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    min_n: int = 1
+    max_n: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
+
+    def propose(self, tokens: Sequence[int], num_tokens: int) -> list[int]:
+        """Up to num_tokens drafts continuing `tokens` (prompt + output so far); [] when nothing matches."""
+        length = len(tokens)
+        if num_tokens <= 0:
+            return []
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            tail = list(tokens[length - n :])
+            # The occurrence must end before the tail starts, so at least one token follows it.
+            for start in range(length - n - 1, -1, -1):
+                if tokens[start] == tail[0] and list(tokens[start : start + n]) == tail:
+                    follow = start + n
+                    return list(tokens[follow : min(follow + num_tokens, length)])
+        return []
