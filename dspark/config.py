@@ -15,6 +15,7 @@ from dspark.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # temperatures under this mean argmax (engine-wide)
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -88,11 +89,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def stop_text_margin(self) -> int:

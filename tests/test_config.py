@@ -134,7 +134,7 @@ def test_sampling_defaults_follow_vllm() -> None:
     p = SamplingParams()
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.min_tokens) == (1.0, 1.0, -1, 0.0, 16, 0)
     assert p.stop == [] and p.stop_token_ids == []
-    assert not p.greedy and not p.has_penalties
+    assert not p.greedy
     assert p.seed is None and p.logprobs is None and p.skip_special_tokens
 
 
@@ -149,9 +149,6 @@ def test_derived_properties() -> None:
     assert SamplingParams(temperature=0.0).greedy
     assert SamplingParams(temperature=1e-6).greedy
     assert not SamplingParams(temperature=1e-4).greedy
-    assert SamplingParams(repetition_penalty=1.1).has_penalties
-    assert SamplingParams(presence_penalty=-0.1).has_penalties
-    assert SamplingParams(frequency_penalty=0.1).has_penalties
     assert SamplingParams(stop=["a", "abcd", "ab"]).stop_text_margin == 3
     assert SamplingParams(stop="x").stop_text_margin == 0
     assert SamplingParams().stop_text_margin == 0

@@ -33,7 +33,6 @@ class ModelConfig:
     qk_norm: bool  # qwen3: RMSNorm on each head of q and k
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    torch_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -62,7 +61,7 @@ class ModelConfig:
                 out = kind(value)
             except (TypeError, ValueError):
                 raise ModelLoadError(f"{source}: config.json has {key}={value!r}, expected a {kind.__name__}") from None
-            if kind is int and key != "bos_token_id" and out <= 0:
+            if kind is int and out <= 0:
                 raise ModelLoadError(f"{source}: config.json has {key}={value!r}, expected a positive integer")
             return out
 
@@ -87,7 +86,6 @@ class ModelConfig:
                 qk_norm=family == "qwen3",
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=eos[0] if isinstance(eos, list) else eos,
-                torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             )
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"{source}: config.json has an invalid value ({e})") from None

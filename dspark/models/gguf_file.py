@@ -85,7 +85,6 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in names,
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-            torch_dtype="float32",
         )
     except (TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelLoadError(f"{path}: GGUF metadata has an invalid value ({e})") from None

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-GREEDY_BELOW = 1e-5  # temperatures under this mean argmax
+from dspark.config import GREEDY_BELOW
+
 _MASK64 = (1 << 64) - 1
 
 

@@ -136,7 +136,6 @@ def expected_config(family: str, tied: bool) -> ModelConfig:
         qk_norm=family == "qwen3",
         bos_token_id=BOS,
         eos_token_id=EOS,
-        torch_dtype="float32",
     )
 
 
