@@ -6,6 +6,7 @@ never surfaces as a traceback from deep inside the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,80 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=1) - 1
 
 
+SPEC_METHODS = ("dspark", "ngram")
+DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's keys (`--speculative-config '{"method": "ngram", ...}'`).
+
+    method: "dspark" (a trained DSpark drafter: `model` is its directory) or "ngram" (prompt lookup, nothing to train).
+    num_speculative_tokens: drafts verified per request and step (fixed k), at most the drafter's block size.
+    draft_sample_method: "probabilistic" drafts by sampling the drafter's distribution and verifies by rejection
+    sampling; "greedy" drafts its argmax and verifies strictly (the same tokens as without speculation for a seed).
+    prompt_lookup_min / prompt_lookup_max: n-gram lengths the "ngram" method matches.
+    """
+
+    method: str
+    num_speculative_tokens: int | None = None  # None: the drafter's block size (dspark) or 4 (ngram)
+    model: str | None = None
+    draft_sample_method: str = "probabilistic"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    enable_adaptive_verification: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError("speculative_config.method", self.method, f"one of {', '.join(SPEC_METHODS)}")
+        if self.num_speculative_tokens is not None:
+            _check_int(
+                "speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS
+            )
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError("speculative_config.model", self.model, "a drafter directory (config.json + safetensors)")
+        if self.method == "ngram" and self.model is not None:
+            raise ConfigError("speculative_config.model", self.model, "the 'ngram' method takes no drafter model")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ConfigError(
+                "speculative_config.draft_sample_method",
+                self.draft_sample_method,
+                f"one of {', '.join(DRAFT_SAMPLE_METHODS)}",
+            )
+        _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1, 64)
+        _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 64)
+        if not isinstance(self.enable_adaptive_verification, bool):
+            raise ConfigError(
+                "speculative_config.enable_adaptive_verification", self.enable_adaptive_verification, "true or false"
+            )
+        if self.enable_adaptive_verification:
+            raise ConfigError(
+                "speculative_config.enable_adaptive_verification",
+                True,
+                "adaptive verification is not built yet (issue 4); leave it false for fixed-k speculation",
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"speculative_config.{unknown[0]}",
+                values[unknown[0]],
+                f"unknown key; known: {', '.join(sorted(known))}",
+            )
+        if "method" not in values:
+            raise ConfigError("speculative_config.method", None, f"required: one of {', '.join(SPEC_METHODS)}")
+        return cls(**values)
+
+    @property
+    def verify_method(self) -> str:
+        """How drafts are verified: rejection sampling needs the drafter's distribution; n-gram has none."""
+        return "probabilistic" if self.method == "dspark" and self.draft_sample_method == "probabilistic" else "strict"
+
+
 @dataclass
 class EngineConfig:
     """What the engine runs and how big it may get. Names follow vLLM's engine arguments."""
@@ -115,7 +190,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     seed: int = 0
-    speculative_config: dict[str, Any] | None = None
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None  # a dict is parsed into SpeculativeConfig
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -134,9 +209,11 @@ class EngineConfig:
         _check_float("kv_cache_memory_gb", self.kv_cache_memory_gb, 0.0, 1e4, low_open=True)
         _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         _check_int("seed", self.seed, 0, 2**63 - 1)
-        if self.speculative_config is not None:
-            raise ConfigError(
-                "speculative_config",
-                self.speculative_config,
-                "speculative decoding is not built yet (issue 3); leave it unset",
-            )
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            if not isinstance(self.speculative_config, dict):
+                raise ConfigError("speculative_config", self.speculative_config, "a JSON object / dict of settings")
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def spec(self) -> SpeculativeConfig | None:
+        return self.speculative_config  # type: ignore[return-value]

@@ -31,6 +31,15 @@ class RequestMetrics:
     num_cached_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    # Speculative decoding (vLLM's counting): steps that verified drafts, drafts verified, drafts accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_length(self) -> float | None:
+        """Tokens emitted per verification step: 1 + accepted / drafts."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
     @property
     def ttft(self) -> float | None:

@@ -71,7 +71,42 @@ BAD_ENGINE: list[tuple[dict[str, Any], str, object]] = [
     ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization", 0.0),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization", 1.5),
     ({"seed": -1}, "seed", -1),
-    ({"speculative_config": {"method": "ngram"}}, "speculative_config", {"method": "ngram"}),
+    ({"speculative_config": "ngram"}, "speculative_config", "ngram"),
+    ({"speculative_config": {"method": "eagle"}}, "speculative_config.method", "eagle"),
+    ({"speculative_config": {"num_speculative_tokens": 3}}, "speculative_config.method", None),
+    ({"speculative_config": {"method": "ngram", "k": 3}}, "speculative_config.k", 3),
+    (
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}},
+        "speculative_config.num_speculative_tokens",
+        0,
+    ),
+    (
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 33}},
+        "speculative_config.num_speculative_tokens",
+        33,
+    ),
+    (
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": "7"}},
+        "speculative_config.num_speculative_tokens",
+        "7",
+    ),
+    (
+        {"speculative_config": {"method": "dspark", "draft_sample_method": "top_k"}},
+        "speculative_config.draft_sample_method",
+        "top_k",
+    ),
+    ({"speculative_config": {"method": "ngram", "model": "x"}}, "speculative_config.model", "x"),
+    ({"speculative_config": {"method": "ngram", "prompt_lookup_min": 0}}, "speculative_config.prompt_lookup_min", 0),
+    (
+        {"speculative_config": {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}},
+        "speculative_config.prompt_lookup_max",
+        2,
+    ),
+    (
+        {"speculative_config": {"method": "ngram", "enable_adaptive_verification": True}},
+        "speculative_config.enable_adaptive_verification",
+        True,
+    ),
 ]
 
 

@@ -18,6 +18,8 @@ from dspark.errors import ConfigError, DSparkError
 from dspark.models.loader import load_model
 from dspark.models.registry import resolve_model
 from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dspark.spec.drafter import make_drafter
+from dspark.spec.dspark.model import DSparkModel
 from dspark.tokenizer import load_tokenizer
 from dspark.worker.model_runner import ModelRunner, kv_bytes_per_block
 from dspark.worker.sampler import SampledRow
@@ -74,17 +76,36 @@ class LLMEngine:
                 self.max_model_len,
                 f"at most the model's context length, {mcfg.max_position_embeddings}",
             )
+        self.spec = config.spec
+        self.dspark_model = self._load_dspark() if self.spec is not None and self.spec.method == "dspark" else None
+        self.num_spec_tokens = self._num_spec_tokens()
+        lookahead = self.dspark_model.config.block_size if self.dspark_model is not None else 0
         num_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()
-        if num_blocks * config.block_size < self.max_model_len:
+        if num_blocks * config.block_size < self.max_model_len + lookahead:
             raise ConfigError(
                 "max_model_len",
                 self.max_model_len,
-                f"at most the KV cache's {num_blocks * config.block_size} tokens "
-                f"({num_blocks} blocks of {config.block_size}); lower max_model_len or give the cache more memory",
+                f"at most the KV cache's {num_blocks * config.block_size - lookahead} tokens "
+                f"({num_blocks} blocks of {config.block_size}"
+                + (f", less {lookahead} drafter lookahead slots" if lookahead else "")
+                + "); lower max_model_len or give the cache more memory",
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(config, self.model, self.device, self.dtype, num_blocks)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, lookahead)
+        drafter = None
+        if self.spec is not None:
+            drafter = make_drafter(
+                self.spec,
+                self.num_spec_tokens,
+                self.model,
+                self.dspark_model,
+                num_blocks,
+                config.block_size,
+                self.device,
+                self.dtype,
+            )
+        verify_method = self.spec.verify_method if self.spec is not None else "strict"
+        self.runner = ModelRunner(config, self.model, self.device, self.dtype, num_blocks, drafter, verify_method)
         self.eos_token_id = (
             self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else mcfg.eos_token_id
         )
@@ -97,10 +118,41 @@ class LLMEngine:
             "num_prompt_tokens": 0,
             "num_generation_tokens": 0,
             "num_steps": 0,
+            "spec_decode_num_drafts": 0,
+            "spec_decode_num_draft_tokens": 0,
+            "spec_decode_num_accepted_tokens": 0,
         }
+        self.accepted_per_pos = [0] * self.num_spec_tokens
+
+    def _load_dspark(self) -> DSparkModel:
+        from dspark.spec.dspark.checkpoint import load_drafter
+
+        assert self.spec is not None
+        if self.spec.model is None:
+            raise ConfigError(
+                "speculative_config.model",
+                None,
+                "the 'dspark' method needs a drafter directory (no drafter ships for this target yet); "
+                "or use the 'ngram' method",
+            )
+        return load_drafter(resolve_model(self.spec.model), self.model_config, self.dtype, self.device)
+
+    def _num_spec_tokens(self) -> int:
+        if self.spec is None:
+            return 0
+        k = self.spec.num_speculative_tokens
+        if self.dspark_model is not None:
+            block = self.dspark_model.config.block_size
+            if k is not None and k > block:
+                raise ConfigError(
+                    "speculative_config.num_speculative_tokens", k, f"at most the drafter's block size, {block}"
+                )
+            return k or block
+        return k or 4
 
     def _kv_blocks_that_fit(self) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        draft_layers = self.dspark_model.config.num_layers if self.dspark_model is not None else 0
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype, draft_layers)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for activations and logits of the largest step.
@@ -184,18 +236,65 @@ class LLMEngine:
         self.stats["num_steps"] += 1
         now = time.monotonic()
         outputs = []
+        drafting: list[Request] = []
         for s in sched.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
+            num_rejected = 0
+            if s.spec_token_ids:
+                num_rejected = len(s.spec_token_ids) - result.num_accepted[req.request_id]
+                self._count_spec(req, len(s.spec_token_ids), result.num_accepted[req.request_id])
+            req.spec_token_ids, req.spec_confidences = [], None
+            # Rejected drafts' KV stays where it is, past num_computed_tokens, to be overwritten later.
+            req.num_computed_tokens += s.num_new_tokens - num_rejected
             self.kv.cache_computed_blocks(req)
             sampled = result.sampled.get(req.request_id)
             if sampled is not None:
                 req.first_token_time = req.first_token_time or now
                 outputs.append(self._process(req, sampled, now))
+                if not req.status.finished and self.spec is not None:
+                    drafting.append(req)
+        if drafting:
+            self._draft(drafting)
         return outputs
 
-    def _process(self, req: Request, sampled: SampledRow, now: float) -> RequestOutput:
+    def _draft(self, requests: list[Request]) -> None:
+        """Propose the drafts each request verifies next step, cut to what it could still emit."""
+        proposal = self.runner.propose(requests)
+        for i, req in enumerate(requests):
+            p = req.sampling_params
+            room = self.max_model_len - req.num_tokens - 1  # verified tokens plus the bonus must fit
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            n = max(0, min(len(proposal.token_ids[i]), room))
+            req.spec_token_ids = proposal.token_ids[i][:n]
+            req.spec_confidences = proposal.confidences[i][:n] if proposal.confidences is not None else None
+
+    def _count_spec(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """vLLM's counting: a draft is one request's proposal verified in one step."""
+        self.stats["spec_decode_num_drafts"] += 1
+        self.stats["spec_decode_num_draft_tokens"] += num_drafts
+        self.stats["spec_decode_num_accepted_tokens"] += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+        req.spec_num_drafts += 1
+        req.spec_num_draft_tokens += num_drafts
+        req.spec_num_accepted_tokens += num_accepted
+
+    def _process(self, req: Request, sampled: list[SampledRow], now: float) -> RequestOutput:
+        """Append this step's tokens in order; the first that finishes the request ends it (the rest are dropped)."""
         tracked = self._tracked[req.request_id]
+        status = None
+        for row in sampled:
+            status = self._append(tracked, row)
+            if status is not None:
+                break
+        if status is not None:
+            self._finish(req, status, now)
+            del self._tracked[req.request_id]
+        return self._output(tracked, finished=status is not None)
+
+    def _append(self, tracked: _Tracked, sampled: SampledRow) -> RequestStatus | None:
+        req = tracked.request
         p = req.sampling_params
         token = sampled.token_id
         req.all_token_ids.append(token)
@@ -226,10 +325,7 @@ class LLMEngine:
             (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len
         ):
             status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            self._finish(req, status, now)
-            del self._tracked[req.request_id]
-        return self._output(tracked, finished=status is not None)
+        return status
 
     def _check_stop_strings(self, tracked: _Tracked, delta_len: int) -> RequestStatus | None:
         req, p = tracked.request, tracked.request.sampling_params
@@ -249,6 +345,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         self.scheduler.finish(req, status)
+        self.runner.release(req.request_id)
         req.finished_time = now or time.monotonic()
         if status is not RequestStatus.FINISHED_ABORTED:
             self.stats["num_requests_finished"] += 1
@@ -279,6 +376,9 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
             num_generation_tokens=req.num_output_tokens,
             num_preemptions=req.num_preemptions,
+            spec_num_drafts=req.spec_num_drafts,
+            spec_num_draft_tokens=req.spec_num_draft_tokens,
+            spec_num_accepted_tokens=req.spec_num_accepted_tokens,
         )
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics, new_text, new_ids
@@ -297,4 +397,10 @@ class LLMEngine:
             "kv_num_used_blocks": self.kv.num_used_blocks,
             "prefix_cache_queries": self.kv.num_prefix_queries,
             "prefix_cache_hits": self.kv.num_prefix_hits,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "spec_decode_mean_acceptance_length": (
+                1 + self.stats["spec_decode_num_accepted_tokens"] / self.stats["spec_decode_num_drafts"]
+                if self.stats["spec_decode_num_drafts"]
+                else None
+            ),
         }

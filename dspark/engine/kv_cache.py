@@ -72,9 +72,12 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * bs
 
-    def allocate(self, req: Request, num_new_tokens: int, prefix_blocks: Sequence[int] = ()) -> bool:
-        """Give `req` blocks for num_computed_tokens + num_new_tokens tokens; False (nothing changed) if full."""
-        total = req.num_computed_tokens + len(prefix_blocks) * self.block_size + num_new_tokens
+    def allocate(
+        self, req: Request, num_new_tokens: int, prefix_blocks: Sequence[int] = (), lookahead: int = 0
+    ) -> bool:
+        """Give `req` blocks for num_computed_tokens + num_new_tokens (+ lookahead) tokens; False if full (nothing
+        changed). Lookahead slots are written by a drafter past the request's tokens and never become computed."""
+        total = req.num_computed_tokens + len(prefix_blocks) * self.block_size + num_new_tokens + lookahead
         num_new_blocks = self.blocks_needed(total) - len(req.block_ids) - len(prefix_blocks)
         reusable = sum(1 for b in prefix_blocks if self.ref_count[b] == 0)
         if num_new_blocks > len(self.free) - reusable:

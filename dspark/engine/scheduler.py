@@ -1,10 +1,12 @@
 """Continuous batching with chunked prefill and preemption by recompute; FCFS. Never touches tensors.
 
 There is no prefill or decode phase: every step each running request gets the tokens it still lacks
-(num_tokens - num_computed_tokens: a prompt chunk, or the one token sampled last step), within max_num_seqs and the
-max_num_batched_tokens budget. When the KV cache is full, the most recently admitted running request is preempted:
-its blocks are freed and it goes back to the front of the queue, to be recomputed from its prompt plus what it has
-generated so far (its prefix may still be cached). Sampling is seeded per output position, so its output is unchanged.
+(num_tokens - num_computed_tokens: a prompt chunk, or the one token sampled last step) plus, with speculative
+decoding, the drafts proposed for it last step, within max_num_seqs and the max_num_batched_tokens budget (drafts are
+cut first when the budget runs short). A request that will sample also reserves the drafter's lookahead slots.
+When the KV cache is full, the most recently admitted running request is preempted: its blocks are freed and it goes
+back to the front of the queue, to be recomputed from its prompt plus what it has generated so far (its prefix may still
+be cached). Sampling is seeded per output position, so its output is unchanged.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from dspark.engine.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # tokens fed this step, drafts included
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step: the last tokens fed
     samples: bool = field(init=False)  # this step brings the request level with its tokens, so it emits one
 
     def __post_init__(self) -> None:
         # NOTE: fixed now, while num_computed_tokens still counts the tokens before this step.
-        self.samples = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_plain = self.num_new_tokens - len(self.spec_token_ids)
+        self.samples = self.request.num_computed_tokens + num_plain == self.request.num_tokens
 
 
 @dataclass
@@ -40,8 +44,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, num_lookahead_tokens: int = 0
+    ) -> None:
         self.kv = kv
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -61,15 +68,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req, num_new):
+            num_plain = req.num_tokens - req.num_computed_tokens
+            num_new = min(num_plain + len(req.spec_token_ids), budget)
+            spec = req.spec_token_ids[: max(0, num_new - num_plain)]
+            lookahead = self.num_lookahead_tokens if num_new >= num_plain else 0
+            while not self.kv.allocate(req, num_new, lookahead=lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, num_new))
+                out.scheduled.append(ScheduledRequest(req, num_new, spec))
                 budget -= num_new
                 i += 1
                 continue
@@ -80,7 +90,8 @@ class Scheduler:
             req = self.waiting[0]
             prefix_blocks, num_prefix = self.kv.computed_prefix(req)  # waiting requests have nothing computed
             num_new = min(req.num_tokens - req.num_computed_tokens - num_prefix, budget)
-            if not self.kv.allocate(req, num_new, prefix_blocks):
+            samples = num_prefix + num_new == req.num_tokens
+            if not self.kv.allocate(req, num_new, prefix_blocks, self.num_lookahead_tokens if samples else 0):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -92,6 +103,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free_request(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids, req.spec_confidences = [], None  # drafted for a context it will recompute
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

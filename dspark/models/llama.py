@@ -132,11 +132,24 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         ctx: AttentionContext,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.forward_with_taps(input_ids, positions, ctx, ())[0]
+
+    def forward_with_taps(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        ctx: AttentionContext,
+        tap_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [num_tokens, hidden], [num_tokens, len(tap_layers) * hidden]
+        """Also return the raw outputs of decoder layers `tap_layers` (0-based), concatenated: a drafter's context."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions)
-        for layer in self.model.layers:
+        taps = []
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, ctx)
-        return self.model.norm(x)
+            if i in tap_layers:
+                taps.append(x)
+        return self.model.norm(x), torch.cat(taps, dim=-1) if taps else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         return self.lm_head(hidden).float()

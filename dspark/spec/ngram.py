@@ -11,6 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
+from dspark.engine.request import Request
+from dspark.spec.drafter import Proposal
+
 
 @dataclass(frozen=True)
 class NgramDrafter:
@@ -34,3 +39,21 @@ class NgramDrafter:
                     follow = start + n
                     return list(tokens[follow : min(follow + num_tokens, length)])
         return []
+
+
+class NgramProposer:
+    """The Drafter interface over NgramDrafter: host-only, no distribution, no confidence, no state to roll back."""
+
+    method = "ngram"
+    num_lookahead_tokens = 0
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, num_tokens: int, min_n: int, max_n: int) -> None:
+        self.max_num_tokens = num_tokens
+        self.ngram = NgramDrafter(min_n, max_n)
+
+    def extend_context(self, taps: torch.Tensor | None, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        pass  # its context is the request's own tokens
+
+    def propose(self, requests: list[Request]) -> Proposal:
+        return Proposal([self.ngram.propose(r.all_token_ids, self.max_num_tokens) for r in requests])

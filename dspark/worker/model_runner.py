@@ -1,20 +1,23 @@
-"""Turns a SchedulerOutput into tensors, runs the target, samples. Owns the device, the KV cache and the model.
+"""Turns a SchedulerOutput into tensors, runs the target, samples or verifies, and drives the drafter.
 
-It never makes policy: which requests run and how many tokens each gets was decided by the scheduler.
+It never makes policy: which requests run, how many tokens and drafts each gets, and who drafts next was decided by
+the scheduler and the engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dspark.config import EngineConfig
 from dspark.engine.request import Request
-from dspark.engine.scheduler import SchedulerOutput
+from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
 from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM
-from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache
+from dspark.spec.drafter import Drafter, Proposal
+from dspark.spec.verify import VerifyRow, verify
+from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache, slots_for
 from dspark.worker.attention.torch_ref import TorchAttention
 from dspark.worker.numerics import padded_rows
 from dspark.worker.sampler import SampledRow, Sampler, SamplingRow
@@ -22,16 +25,26 @@ from dspark.worker.sampler import SampledRow, Sampler, SamplingRow
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, SampledRow]  # request id -> its new token, for requests that emitted one
+    # request id -> the tokens it emitted this step (accepted drafts, then one sampled, corrected or bonus token),
+    # for requests that emitted any
+    sampled: dict[str, list[SampledRow]]
+    num_accepted: dict[str, int] = field(default_factory=dict)  # request id -> drafts accepted, if it verified any
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
+    return 2 * (cfg.num_layers + extra_layers) * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype, num_blocks: int
+        self,
+        config: EngineConfig,
+        model: CausalLM,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_blocks: int,
+        drafter: Drafter | None = None,
+        verify_method: str = "strict",
     ) -> None:
         self.config = config
         self.model = model
@@ -47,6 +60,9 @@ class ModelRunner:
         ]
         self.backend = TorchAttention()
         self.sampler = Sampler()
+        self.drafter = drafter
+        self.verify_method = verify_method
+        self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, vocab] of its pending drafts
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -56,29 +72,26 @@ class ModelRunner:
         query_start = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
-        logit_rows: list[int] = []
-        sampling_ids: list[str] = []
         bs = self.block_size
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            input_ids += req.all_token_ids[start:end]
+            num_plain = s.num_new_tokens - len(s.spec_token_ids)
+            input_ids += req.all_token_ids[start : start + num_plain] + s.spec_token_ids
             positions += range(start, end)
-            slots += [req.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            slots += slots_for(req.block_ids, start, end, bs)
             query_start.append(query_start[-1] + s.num_new_tokens)
             seq_lens.append(end)
             tables.append(req.block_ids)
-            if s.samples:
-                logit_rows.append(query_start[-1] - 1)
-                sampling_ids.append(req.request_id)
 
         num_actual = len(input_ids)
         pad = padded_rows(num_actual) - num_actual  # padding rows: token 0, position 0, slot -1
         dev = self.device
         max_blocks = max(len(t) for t in tables)
+        slot_mapping = torch.tensor(slots + [-1] * pad, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(
             num_actual_tokens=num_actual,
-            slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64, device=dev),
+            slot_mapping=slot_mapping,
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev),
@@ -91,19 +104,104 @@ class ModelRunner:
         self.backend.prepare(meta, mcfg.num_kv_heads, mcfg.num_heads, bs)
         ids = torch.tensor(input_ids + [0] * pad, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions + [0] * pad, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, pos, AttentionContext(self.backend, meta, self.kv_caches))
-        if not logit_rows:
+        taps = self.drafter.tap_layers if self.drafter is not None else ()
+        hidden, tapped = self.model.forward_with_taps(
+            ids, pos, AttentionContext(self.backend, meta, self.kv_caches), taps
+        )
+
+        if any(s.spec_token_ids for s in sched.scheduled):
+            out = self._verify(sched, hidden, query_start)
+        else:
+            out = self._sample(sched, hidden, query_start)
+        if self.drafter is not None:
+            # The drafter's context grows by what the target keeps: every plain token and the accepted drafts.
+            keep = [
+                i
+                for r, s in enumerate(sched.scheduled)
+                for i in range(
+                    query_start[r],
+                    query_start[r]
+                    + s.num_new_tokens
+                    - len(s.spec_token_ids)
+                    + out.num_accepted.get(s.request.request_id, 0),
+                )
+            ]
+            rows = torch.tensor(keep, dtype=torch.int64, device=dev)
+            self.drafter.extend_context(None if tapped is None else tapped[rows], pos[rows], slot_mapping[rows])
+        return out
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """fp32 logits of these rows of the step ([len(rows) padded to a multiple of 4, vocab])."""
+        padded = rows + [rows[-1]] * (padded_rows(len(rows)) - len(rows))
+        return self.model.compute_logits(hidden[torch.tensor(padded, device=self.device)])
+
+    def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]) -> RunnerOutput:
+        sampling = [(r, s) for r, s in enumerate(sched.scheduled) if s.samples]
+        if not sampling:
             return RunnerOutput({})
-        rows = logit_rows + [logit_rows[-1]] * (padded_rows(len(logit_rows)) - len(logit_rows))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
-        sampled = self.sampler(logits, [sampling_row(s.request) for s in sched.scheduled if s.samples])
-        return RunnerOutput(dict(zip(sampling_ids, sampled, strict=True)))
+        logits = self._logits(hidden, [query_start[r + 1] - 1 for r, _ in sampling])
+        sampled = self.sampler(logits, [sampling_row(s.request) for _, s in sampling])
+        return RunnerOutput({s.request.request_id: [row] for (_, s), row in zip(sampling, sampled, strict=True)})
+
+    def _verify(self, sched: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]) -> RunnerOutput:
+        """Every sampling request verifies its l drafts (0..K) on its last l + 1 rows, each row shaped by the same
+        sampling row the plain sampler would use at that output position."""
+        sampling = [(r, s) for r, s in enumerate(sched.scheduled) if s.samples]
+        logit_rows: list[int] = []
+        rows: list[SamplingRow] = []
+        vrows: list[VerifyRow] = []
+        for r, s in sampling:
+            n = len(s.spec_token_ids)
+            logit_rows += range(query_start[r + 1] - n - 1, query_start[r + 1])
+            rows += [sampling_row(s.request, s.spec_token_ids[:j]) for j in range(n + 1)]
+            vrows.append(VerifyRow(s.request.seed, s.request.num_output_tokens, s.spec_token_ids, rows[-1].greedy))
+        logits = self._logits(hidden, logit_rows)
+        target_probs = self.sampler.target_probs(logits[: len(rows)], rows)
+        draft_probs = None
+        if self.verify_method == "probabilistic":
+            draft_probs = torch.cat([self._pending_probs(s) for _, s in sampling])
+        emitted = verify(target_probs, draft_probs, vrows, self.verify_method)
+
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.num_logprobs is not None for r in rows) else None
+        out = RunnerOutput({})
+        first = 0
+        for (_, s), tokens in zip(sampling, emitted, strict=True):
+            rid = s.request.request_id
+            out.sampled[rid] = [
+                self.sampler.describe(tok, raw_logprobs, first + j, rows[first + j]) for j, tok in enumerate(tokens)
+            ]
+            if s.spec_token_ids:
+                out.num_accepted[rid] = len(tokens) - 1
+            first += len(s.spec_token_ids) + 1
+        return out
+
+    def _pending_probs(self, s: ScheduledRequest) -> torch.Tensor:
+        n = len(s.spec_token_ids)
+        if not n:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return self._draft_probs[s.request.request_id][:n]
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request]) -> Proposal:
+        """Drafts for the next step of these requests (each has all but its last token computed)."""
+        assert self.drafter is not None
+        proposal = self.drafter.propose(requests)
+        if proposal.probs is not None:
+            for i, req in enumerate(requests):
+                self._draft_probs[req.request_id] = proposal.probs[i]
+        return proposal
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's pending drafts."""
+        self._draft_probs.pop(request_id, None)
 
 
-def sampling_row(req: Request) -> SamplingRow:
+def sampling_row(req: Request, drafts: list[int] | None = None) -> SamplingRow:
+    """The sampling inputs of the request's next output token, or, with drafts, of the token after those drafts."""
     p = req.sampling_params
+    num_out = req.num_output_tokens + len(drafts or ())
     banned: tuple[int, ...] = ()
-    if req.num_output_tokens < p.min_tokens:
+    if num_out < p.min_tokens:
         eos = () if p.ignore_eos or req.eos_token_id is None else (req.eos_token_id,)
         banned = (*eos, *p.stop_token_ids)
     return SamplingRow(
@@ -112,9 +210,9 @@ def sampling_row(req: Request) -> SamplingRow:
         top_p=p.top_p,
         min_p=p.min_p,
         seed=req.seed,
-        counter=req.num_output_tokens,
+        counter=num_out,
         prompt_token_ids=req.prompt_token_ids,
-        output_token_ids=req.output_token_ids,
+        output_token_ids=req.output_token_ids + drafts if drafts else req.output_token_ids,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,

@@ -65,27 +65,30 @@ class Sampler:
         raw = logits[:n]
         want_logprobs = any(r.num_logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
+        probs = self.target_probs(raw, rows)
+        tokens = self.sample(probs, rows)
+        return [self.describe(tokens[i], raw_logprobs, i, r) for i, r in enumerate(rows)]
 
-        x = raw.clone()
+    def target_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each row samples from: min_tokens masking, penalties, then probabilities()."""
+        x = logits[: len(rows)].clone()
         for i, r in enumerate(rows):
             if r.banned_token_ids:
                 x[i, list(r.banned_token_ids)] = float("-inf")
             _apply_penalties(x[i], r)
-        probs = self.probabilities(x, rows)
-        tokens = self.sample(probs, x, rows)
+        return self.probabilities(x, rows)
 
-        out = []
-        for i, r in enumerate(rows):
-            res = SampledRow(tokens[i])
-            if raw_logprobs is not None and r.num_logprobs is not None:
-                lp = raw_logprobs[i]
-                res.logprob = lp[tokens[i]].item()
-                res.rank = int((lp > lp[tokens[i]]).sum().item()) + 1
-                if r.num_logprobs:
-                    top = torch.topk(lp, r.num_logprobs)
-                    res.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-            out.append(res)
-        return out
+    def describe(self, token: int, raw_logprobs: torch.Tensor | None, i: int, row: SamplingRow) -> SampledRow:
+        """The sampled token of row i, with its logprob, rank and the top logprobs when the row asks for them."""
+        res = SampledRow(token)
+        if raw_logprobs is not None and row.num_logprobs is not None:
+            lp = raw_logprobs[i]
+            res.logprob = lp[token].item()
+            res.rank = int((lp > lp[token]).sum().item()) + 1
+            if row.num_logprobs:
+                top = torch.topk(lp, row.num_logprobs)
+                res.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        return res
 
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The distribution each row samples from: temperature, min_p, top_k, top_p applied. Greedy rows: one-hot."""
@@ -114,10 +117,12 @@ class Sampler:
             probs[i] = p / p.sum()
         return probs
 
-    def sample(self, probs: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """Inverse-CDF sampling with one counter-based uniform per row (no generator state, no vocab-sized noise)."""
+    def sample(self, probs: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """Inverse-CDF sampling with one counter-based uniform per row (no generator state, no vocab-sized noise).
+
+        Greedy rows are one-hot in probs already (at the argmax of the processed logits)."""
         return [
-            int(torch.argmax(logits[i])) if r.greedy else inverse_cdf(probs[i], uniform(r.seed, r.counter))
+            int(torch.argmax(probs[i])) if r.greedy else inverse_cdf(probs[i], uniform(r.seed, r.counter))
             for i, r in enumerate(rows)
         ]
 
@@ -130,6 +135,17 @@ def inverse_cdf(p: torch.Tensor, u: float) -> int:
     if idx >= len(cdf) or p[idx] <= 0:
         idx = int(torch.nonzero(p > 0)[-1])
     return idx
+
+
+def inverse_cdf_rows(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """inverse_cdf for every row at once: p [n, vocab] (unnormalised allowed), u [n] fp64 in [0, 1) -> [n] int64."""
+    cdf = torch.cumsum(p.double(), dim=-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    idx = idx.clamp_(max=p.shape[-1] - 1)
+    # NOTE: as in inverse_cdf, a rounding step onto a zero-probability token falls back to the last positive one.
+    last_positive = (p > 0).cumsum(-1).argmax(-1)
+    bad = p.gather(1, idx[:, None]).squeeze(1) <= 0
+    return torch.where(bad, last_positive, idx)
 
 
 def uniform(seed: int, counter: int, stream: int = 0) -> float:

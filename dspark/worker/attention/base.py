@@ -26,6 +26,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # False: every query also sees the keys after it up to its request's seq_len (a DSpark draft block attends
+    # bidirectionally within itself); True: query j sees keys up to its own position.
+    causal: bool = True
 
     @property
     def num_reqs(self) -> int:
@@ -66,3 +69,8 @@ class AttentionContext:
     backend: AttentionBackend
     meta: AttentionMetadata
     caches: list[KVCache]
+
+
+def slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of positions start..end-1 of a request with these blocks."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -81,7 +81,8 @@ class TorchAttention:
         for g, r in enumerate(reqs):
             n_q = starts[r + 1] - starts[r]
             rows.append(list(range(starts[r], starts[r + 1])) + [starts[r]] * (q_pad - n_q))
-            q_pos.append(list(range(lens[r] - n_q, lens[r])) + [0] * (q_pad - n_q))
+            last = range(lens[r] - n_q, lens[r]) if meta.causal else [lens[r] - 1] * n_q
+            q_pos.append(list(last) + [0] * (q_pad - n_q))
             dst += range(starts[r], starts[r + 1])
             src += range(g * q_pad, g * q_pad + n_q)
         qpos = torch.tensor(q_pos, device=device)  # [G, q_pad]; padding rows sit at position 0

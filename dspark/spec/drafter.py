@@ -1,0 +1,71 @@
+"""The drafter interface: what the model runner asks of any drafter, and what a drafter hands back.
+
+After each step the runner shows the drafter the target's tapped hidden states of the tokens that stayed (prefill
+chunks and accepted drafts: `extend_context`), then asks it for the next drafts of the requests that go on decoding
+(`propose`). Rejected drafts are never shown to `extend_context`, so a drafter's context holds exactly the accepted
+history and rolling back costs nothing: positions past it are simply overwritten later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from dspark.config import SpeculativeConfig
+from dspark.engine.request import Request
+
+if TYPE_CHECKING:
+    from dspark.models.llama import CausalLM
+    from dspark.spec.dspark.model import DSparkModel
+
+
+@dataclass
+class Proposal:
+    """Drafts for a batch of requests, in the order they were asked for."""
+
+    token_ids: list[list[int]]  # per request, up to max_num_tokens
+    # [num_reqs, max_num_tokens, vocab] fp32: the distribution each draft was sampled from; None for drafters
+    # without one (their drafts are verified strictly).
+    probs: torch.Tensor | None = None
+    confidences: list[list[float]] | None = None  # per request and draft, in [0, 1]
+
+
+class Drafter(Protocol):
+    method: str
+    max_num_tokens: int  # K: the most drafts it proposes per request and step
+    num_lookahead_tokens: int  # KV slots past a request's last token it writes while drafting
+    tap_layers: tuple[int, ...]  # target decoder layers whose raw outputs it reads (sorted; empty: none)
+
+    def extend_context(
+        self,
+        taps: torch.Tensor | None,  # [n, len(tap_layers) * hidden]: the target's tapped outputs of tokens that stay
+        positions: torch.Tensor,  # [n] int64
+        slots: torch.Tensor,  # [n] int64: their KV slots (the drafter's cache shares the target's block tables)
+    ) -> None: ...
+
+    def propose(self, requests: list[Request]) -> Proposal:
+        """Drafts continuing each request's tokens; each request's target KV covers all but its last token."""
+        ...
+
+
+def make_drafter(
+    spec: SpeculativeConfig,
+    num_tokens: int,
+    target: CausalLM,
+    dspark_model: DSparkModel | None,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Drafter:
+    """The drafter of a speculative config; the DSpark weights were loaded (and checked) by the engine."""
+    from dspark.spec.dspark.proposer import DSparkDrafter
+    from dspark.spec.ngram import NgramProposer
+
+    if spec.method == "ngram":
+        return NgramProposer(num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    assert dspark_model is not None
+    sample = spec.draft_sample_method == "probabilistic"
+    return DSparkDrafter(dspark_model, target, num_tokens, sample, num_blocks, block_size, device, dtype)

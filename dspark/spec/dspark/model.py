@@ -1,0 +1,75 @@
+"""The DSpark drafter's weights and forward passes (names as DeepSpec's checkpoints).
+
+- Context: the target's tapped hidden states [n, n_taps * H] -> `fc` -> `hidden_norm`. Each draft layer turns these
+  features into keys and values with its own k_proj / v_proj (k_norm and RoPE on the keys, at the tokens'
+  positions) and keeps them in the drafter's paged cache, which shares the target's block tables.
+- Block: [anchor, mask x (K-1)] at positions anchor..anchor+K-1, through N Qwen3-style layers that attend to the
+  cached context (strictly before the anchor) and bidirectionally within the block, then `norm`.
+- The target's embedding and lm_head are used, frozen and never stored again: they are passed in, not owned.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.models.llama import DecoderLayer, RMSNorm, Rotary, apply_rotary
+from dspark.spec.dspark.confidence import ConfidenceHead
+from dspark.spec.dspark.config import DSparkConfig
+from dspark.spec.dspark.markov import MarkovHead
+from dspark.worker.attention.base import AttentionContext, KVCache
+from dspark.worker.attention.torch_ref import write_kv
+
+
+class DSparkModel(nn.Module):
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        lc = cfg.layer_config
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(lc, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+        self.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.markov_rank) if cfg.confidence_head else None
+        if cfg.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
+        # A block reaches K-1 positions past the last token the target may see.
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings + cfg.block_size)
+
+    def context_features(self, taps: torch.Tensor) -> torch.Tensor:
+        """[n, n_taps * hidden] -> [n, hidden]."""
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+
+    def write_context(
+        self,
+        features: torch.Tensor,  # [n, hidden]
+        positions: torch.Tensor,  # [n]
+        slots: torch.Tensor,  # [n] int64, all valid
+        caches: list[KVCache],
+    ) -> None:
+        """Store the context keys and values of every draft layer: what later blocks attend to."""
+        n = features.shape[0]
+        rope = self.rotary(positions)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            attn = layer.self_attn
+            k = attn.k_norm(attn.k_proj(features).view(n, attn.num_kv_heads, attn.head_dim))
+            v = attn.v_proj(features).view(n, attn.num_kv_heads, attn.head_dim)
+            write_kv(cache, apply_rotary(k, rope), v, slots)
+
+    def mask_input(self, embed: nn.Embedding) -> torch.Tensor:
+        """[hidden]: the input of a block's masked slots."""
+        if self.config.mask_token_id is None:
+            return self.mask_embedding
+        return embed.weight[self.config.mask_token_id]
+
+    def backbone(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the embedded blocks, flattened
+        positions: torch.Tensor,  # [num_tokens]
+        ctx: AttentionContext,  # non-causal metadata over the drafter's caches
+    ) -> torch.Tensor:  # [num_tokens, hidden], normed
+        rope = self.rotary(positions)
+        for layer in self.layers:
+            x = layer(x, rope, ctx)
+        return self.norm(x)
