@@ -112,6 +112,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: bool = Tru
     )
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     g.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "dspark", "model": DIR, "num_speculative_tokens": 7, "draft_sample_method": '
+        '"probabilistic"|"greedy"}\' (default: none)',
+    )
+    g.add_argument(
         "--seed",
         metavar="N",
         type=int,
@@ -124,6 +131,12 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """An EngineConfig from the parsed flags: validated here, before any model is loaded."""
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     values = {k: v for k, v in vars(args).items() if k in names and k != "speculative_config"}
+    raw = getattr(args, "speculative_config", None)
+    if raw is not None:
+        try:
+            values["speculative_config"] = json.loads(raw)
+        except ValueError as e:
+            raise ConfigError("speculative_config", raw, f"a JSON object ({e})") from None
     return EngineConfig(**{**values, **overrides})
 
 
@@ -323,6 +336,34 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_spec(args: argparse.Namespace) -> int:
+    from dspark.bench.spec import run_spec_bench, summary_table
+
+    batch_sizes = args.batch_size or [1, 8]
+    config = engine_config(args, max_num_seqs=max(b for b in batch_sizes if isinstance(b, int)))
+    output = Path(args.output_json) if args.output_json else None
+    if output is not None and not output.parent.is_dir():
+        raise ConfigError("output_json", str(output), f"its directory {output.parent} does not exist")
+    result = run_spec_bench(
+        config,
+        batch_sizes=batch_sizes,
+        num_prompts=args.num_prompts,
+        output_len=args.output_len,
+        dataset_path=args.dataset_path,
+        chat=args.chat,
+        temperature=args.temperature,
+        repeats=args.repeats,
+        command=args.command_line,
+    )
+    if output is not None:
+        try:
+            output.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            raise ConfigError("output_json", str(output), f"cannot be written ({e})") from None
+    print(summary_table(result))
+    return 0
+
+
 # ---- parser -------------------------------------------------------------------------------------------------------
 
 GENERATE_EPILOG = """\
@@ -338,6 +379,13 @@ examples:
 BENCH_EPILOG = """\
 examples:
   dspark bench throughput --num-prompts 16 --output-len 64 --batch-size 16 --output-json out/tp.json
+  dspark bench spec --speculative-config '{"method": "ngram"}' --batch-size 1 --batch-size 8
+"""
+SPEC_EPILOG = """\
+examples:
+  dspark bench spec --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --batch-size 1
+  dspark bench spec --dataset-path gsm8k.jsonl --num-prompts 32 --batch-size 1 --batch-size 8 --repeats 3 \\
+      --speculative-config '{"method": "dspark", "model": "drafter/", "num_speculative_tokens": 7}'
 """
 THROUGHPUT_EPILOG = """\
 Both arms get the same prompt token ids, decode greedily and produce exactly --output-len tokens per prompt; the
@@ -452,6 +500,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-json", metavar="PATH", help="write the results here")
     add_engine_args(tp, max_num_seqs=False)
     tp.set_defaults(func=cmd_bench_throughput)
+
+    sp = benches.add_parser(
+        "spec",
+        help="speculative decoding against none: speed-up and acceptance length, in the same run",
+        description="A speculative config against no speculation on the same prompts, at each batch size.\n"
+        "Requests stop at EOS or --output-len; at temperature 0 the outputs are checked to be identical.",
+        epilog=SPEC_EPILOG,
+        formatter_class=_Formatter,
+    )
+    g = sp.add_argument_group("benchmark")
+    g.add_argument("--num-prompts", metavar="N", type=int, default=16, help="prompts to run (default: %(default)s)")
+    g.add_argument(
+        "--output-len", metavar="L", type=int, default=128, help="most tokens per prompt (default: %(default)s)"
+    )
+    g.add_argument(
+        "--batch-size",
+        metavar="B",
+        type=int,
+        action="append",
+        help="max_num_seqs of one row (repeatable; default: 1 and 8)",
+    )
+    g.add_argument("--temperature", metavar="T", type=float, default=0.0, help="(default: %(default)s, greedy)")
+    g.add_argument(
+        "--dataset-path",
+        metavar="FILE.jsonl",
+        help="JSON lines with 'prompt', 'turns' or 'question' (default: the built-in set of 32 prompts)",
+    )
+    g.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template (default: on)"
+    )
+    g.add_argument("--repeats", metavar="R", type=int, default=1, help="rounds, arms alternating (default: 1)")
+    g.add_argument("--output-json", metavar="PATH", help="write the results here")
+    add_engine_args(sp, max_num_seqs=False)
+    sp.set_defaults(func=cmd_bench_spec)
     return parser
 
 

@@ -23,7 +23,15 @@ def tiny(tiny_model_dirs: dict[str, Path]) -> str:
 
 
 @pytest.mark.parametrize(
-    "argv", [["--help"], ["generate", "--help"], ["chat", "--help"], ["bench", "--help"], ["bench", "throughput", "-h"]]
+    "argv",
+    [
+        ["--help"],
+        ["generate", "--help"],
+        ["chat", "--help"],
+        ["bench", "--help"],
+        ["bench", "throughput", "-h"],
+        ["bench", "spec", "-h"],
+    ],
 )
 def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 0
@@ -57,6 +65,9 @@ def test_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> No
         (["--max-num-seqs", "0"], "max_num_seqs"),
         (["--seed", "-3"], "seed"),
         (["--model", "/no/such/path"], "/no/such/path"),
+        (["--speculative-config", "{method: ngram}"], "speculative_config"),
+        (["--speculative-config", '{"method": "medusa"}'], "speculative_config.method"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'], "num_speculative_tokens"),
     ],
 )
 def test_bad_values_name_the_field(flags: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -156,3 +167,28 @@ def test_chat_session_keeps_and_trims_history(tiny: str) -> None:
     assert len(session.prompt_ids()) < llm.engine.max_model_len
     assert session.turns[0]["role"] == "user" and len(session.turns) < 16
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_with_speculation_matches_without(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", tiny, *SMALL_ENGINE, "--prompt", "a b a b a b a", "--max-tokens", "12", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert main([*argv, "--speculative-config", spec]) == 0
+    assert json.loads(capsys.readouterr().out) == plain
+
+
+def test_bench_spec_writes_json(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "spec.json"
+    argv = ["bench", "spec", "--model", tiny, "--num-kv-blocks", "128", "--no-chat", "--num-prompts", "3"]
+    argv += ["--output-len", "8", "--batch-size", "1", "--batch-size", "2", "--output-json", str(out)]
+    assert main([*argv, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']) == 0
+    result = json.loads(out.read_text())
+    assert [r["batch_size"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["identical_outputs"] == "3/3"  # greedy: speculation changes no token
+        assert row["spec_output_throughput"] > 0 and row["no_spec_output_throughput"] > 0
+    assert "| batch |" in capsys.readouterr().out
+    # Without a speculative config there is nothing to compare.
+    assert main(argv) == 2
+    assert "speculative_config" in capsys.readouterr().err

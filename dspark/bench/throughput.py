@@ -115,19 +115,19 @@ def run_dspark(engine: LLMEngine, prompt_ids: list[list[int]], output_len: int) 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     warm = engine.tokenizer.encode(WARMUP_TEXT)
     engine.add_request(warm, dataclasses.replace(params, max_tokens=WARMUP_TOKENS))
-    _drain(engine)
+    drain(engine)
 
     bar = tqdm(total=len(prompt_ids) * output_len, desc="dspark", unit="tok", file=sys.stderr)
     start = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompt_ids]
-    final = _drain(engine, bar)
+    final = drain(engine, bar)
     elapsed = time.perf_counter() - start
     bar.close()
     outputs = [final[i].outputs[0].token_ids for i in ids]
     return ArmResult(elapsed, len(ids), sum(len(o) for o in outputs), outputs)
 
 
-def _drain(engine: LLMEngine, bar: tqdm | None = None) -> dict[str, RequestOutput]:
+def drain(engine: LLMEngine, bar: tqdm | None = None) -> dict[str, RequestOutput]:
     """Step until every request has finished; their final outputs by request id."""
     final = {}
     while engine.has_unfinished_requests():

@@ -1,0 +1,196 @@
+"""Speculative decoding changes speed, never output (CPU fp32):
+
+- greedy output with n-gram or DSpark drafting (k = 1..7) is token-for-token the output without speculation, for
+  mixed batches with chunked prefill, stop conditions and the tiny models of every family;
+- strict verification (n-gram, or DSpark drafting greedily) keeps seeded sampled output identical too, penalties,
+  top-k/p, min_tokens and logprobs included;
+- with rejection sampling, a request's output does not depend on its batch (chunked prefill, preemption);
+- metrics count as vLLM counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.outputs import RequestOutput
+from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
+from dspark.spec.dspark.config import DSparkConfig
+from helpers import FAMILIES
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory: pytest.TempPathFactory, tiny_model_dirs: dict[str, Path]) -> dict[str, Path]:
+    """family -> a random DSpark drafter directory for that tiny target."""
+    from dspark.models.loader import load_config
+
+    out = {}
+    for family, path in tiny_model_dirs.items():
+        cfg = DSparkConfig.for_target(load_config(path), num_layers=2, block_size=7, num_taps=2, markov_rank=8)
+        out[family] = save_drafter(random_drafter(cfg, seed=1), tmp_path_factory.mktemp(f"drafter-{family}"))
+    return out
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
+    prompts.append((prompts[0][:6] * 12)[:70])  # repetitive: n-gram drafts get accepted
+    return prompts
+
+
+def _tokens(outs: list[RequestOutput]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _llm(model: str, spec: dict[str, Any] | None, **kw: Any) -> LLM:
+    kw = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 256, **kw}
+    return LLM(model=model, speculative_config=spec, **kw)
+
+
+def _greedy_params(n: int) -> list[SamplingParams]:
+    # Varied lengths, and a stop token on one request: drafts past a stop must be dropped.
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 5 * (i % 4), ignore_eos=True) for i in range(n)]
+    params[1] = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[7, 11, 13, 101])
+    return params
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["ngram", "dspark"])
+def test_greedy_output_is_unchanged_by_speculation(
+    family: str, method: str, tiny_model_dirs: dict[str, Path], drafters: dict[str, Path]
+) -> None:
+    model = str(tiny_model_dirs[family])
+    prompts = _prompts(3, [5, 23, 70, 140, 9])
+    params = _greedy_params(len(prompts))
+    reference = _tokens(_llm(model, None, max_num_batched_tokens=48).generate(prompts, params))
+    total_drafts = 0
+    for k in range(1, 8):
+        spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
+        if method == "dspark":
+            spec["model"] = str(drafters[family])
+        llm = _llm(model, spec, max_num_batched_tokens=48)  # chunked prefill mixed with verification steps
+        assert _tokens(llm.generate(prompts, params)) == reference, f"k={k}"
+        m = llm.get_metrics()
+        total_drafts += m["spec_decode_num_draft_tokens"]
+        assert m["kv_num_used_blocks"] == 0
+    assert total_drafts > 0, "nothing was ever drafted: the test would prove nothing"
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram"}, {"method": "dspark", "draft_sample_method": "greedy"}])
+def test_strict_verification_keeps_seeded_sampling_identical(
+    spec: dict[str, Any], tiny_model_dirs: dict[str, Path], drafters: dict[str, Path]
+) -> None:
+    model = str(tiny_model_dirs["qwen3"])
+    prompts = _prompts(5, [4, 30, 90, 12])
+    params = [
+        SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=12, max_tokens=25, repetition_penalty=1.2),
+        SamplingParams(
+            temperature=1.0, min_p=0.05, frequency_penalty=0.5, presence_penalty=0.3, seed=13, max_tokens=20
+        ),
+        SamplingParams(temperature=0.5, seed=14, max_tokens=24, min_tokens=20, stop_token_ids=[5, 6, 7]),
+        SamplingParams(temperature=0.0, max_tokens=30, logprobs=3),
+    ]
+    base = _llm(model, None).generate(prompts, params)
+    spec = {**spec, "num_speculative_tokens": 5}
+    if spec["method"] == "dspark":
+        spec["model"] = str(drafters["qwen3"])
+    llm = _llm(model, spec, max_num_batched_tokens=40)
+    out = llm.generate(prompts, params)
+    assert _tokens(out) == _tokens(base)
+    for a, b in zip(base, out, strict=True):
+        if a.outputs[0].logprobs is not None:
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+            assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+    assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_rejection_sampling_output_does_not_depend_on_the_batch(
+    tiny_model_dirs: dict[str, Path], drafters: dict[str, Path]
+) -> None:
+    from test_batch_invariance import LENGTHS, _workload
+
+    model = str(tiny_model_dirs["llama"])
+    spec = {"method": "dspark", "model": str(drafters["llama"]), "num_speculative_tokens": 4}
+    prompts, params = _workload(9, LENGTHS[:10], max_tokens=12)
+    alone_llm = _llm(model, spec)
+    alone = [_tokens(alone_llm.generate([p], sp))[0] for p, sp in zip(prompts, params, strict=True)]
+    # A small token budget (chunked prefill, drafts cut) and a small cache (preemption by recompute).
+    llm = _llm(model, spec, max_num_batched_tokens=48, num_kv_blocks=22, max_model_len=300)
+    batched = _tokens(llm.generate(prompts, params))
+    m = llm.get_metrics()
+    assert m["num_preemptions"] > 0, "the cache was meant to force preemption"
+    for i, (a, b) in enumerate(zip(alone, batched, strict=True)):
+        assert a == b, f"request {i} changed inside the batch"
+    assert m["kv_num_used_blocks"] == 0
+
+
+def test_spec_metrics_count_as_vllm(tiny_model_dirs: dict[str, Path]) -> None:
+    model = str(tiny_model_dirs["llama"])
+    prompts = _prompts(8, [6, 40, 12])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = _llm(model, None)
+    base_out = base.generate(prompts, params)
+    llm = _llm(model, {"method": "ngram", "num_speculative_tokens": 3})
+    out = llm.generate(prompts, params)
+    m = llm.get_metrics()
+    assert m["spec_decode_num_drafts"] > 0
+    assert (
+        m["num_generation_tokens"]
+        == base.get_metrics()["num_generation_tokens"]
+        == sum(len(t) for t in _tokens(base_out))
+    )
+    per_pos = m["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 3 and sum(per_pos) == m["spec_decode_num_accepted_tokens"]
+    assert all(a >= b for a, b in itertools.pairwise(per_pos)), "acceptance at position j needs acceptance before it"
+    assert m["spec_decode_num_accepted_tokens"] <= m["spec_decode_num_draft_tokens"] <= 3 * m["spec_decode_num_drafts"]
+    assert m["spec_decode_mean_acceptance_length"] == pytest.approx(
+        1 + m["spec_decode_num_accepted_tokens"] / m["spec_decode_num_drafts"]
+    )
+    # Per-request counts add up to the engine's.
+    assert sum(o.metrics.spec_num_drafts for o in out) == m["spec_decode_num_drafts"]
+    assert sum(o.metrics.spec_num_draft_tokens for o in out) == m["spec_decode_num_draft_tokens"]
+    assert sum(o.metrics.spec_num_accepted_tokens for o in out) == m["spec_decode_num_accepted_tokens"]
+    # Fewer steps than tokens: accepted drafts save target forwards.
+    assert m["num_steps"] < base.get_metrics()["num_steps"]
+
+
+def test_no_speculation_reports_empty_spec_metrics(tiny_model_dirs: dict[str, Path]) -> None:
+    llm = _llm(str(tiny_model_dirs["llama"]), None)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    m = llm.get_metrics()
+    assert m["spec_decode_num_drafts"] == 0 and m["spec_decode_num_accepted_tokens_per_pos"] == []
+    assert m["spec_decode_mean_acceptance_length"] is None
+    assert out[0].metrics.spec_acceptance_length is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "dspark"])
+def test_smollm2_greedy_output_is_unchanged_by_speculation(method: str, tmp_path: Path) -> None:
+    base = LLM(dtype="float32", max_model_len=512, max_num_batched_tokens=64)
+    chats = [
+        "List the first ten prime numbers, separated by commas.",
+        "Write a Python function that checks whether a number is even.",
+        "Repeat this sentence three times: the quick brown fox jumps over the lazy dog.",
+        "What is the capital of France?",
+    ]
+    prompts = [base.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    reference = _tokens(base.generate(prompts, params))
+    spec: dict[str, Any] = {"method": method}
+    if method == "dspark":
+        cfg = DSparkConfig.for_target(base.engine.model_config, num_layers=1, block_size=7, markov_rank=16)
+        spec["model"] = str(save_drafter(random_drafter(cfg, seed=0), tmp_path / "drafter"))
+    for k in (1, 4, 7):
+        llm = LLM(
+            dtype="float32",
+            max_model_len=512,
+            max_num_batched_tokens=64,
+            speculative_config={**spec, "num_speculative_tokens": k},
+        )
+        assert _tokens(llm.generate(prompts, params)) == reference, f"k={k}"
