@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from dspark import LLM, SamplingParams
 from dspark.bench.throughput import build_hf_model
+from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
+from dspark.spec.dspark.config import DSparkConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,3 +46,22 @@ def test_cuda_bf16_batch_runs_and_frees_blocks() -> None:
     fresh = LLM(device="cuda", max_model_len=1024, num_kv_blocks=4096)
     again = fresh.generate(prompts, SamplingParams(temperature=0.7, seed=1, max_tokens=32))
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_cuda_speculation_keeps_greedy_output(tmp_path: Path) -> None:
+    """n-gram and a random DSpark drafter on CUDA (fp32): greedy tokens as without speculation; sampling runs."""
+    kw = {"device": "cuda", "dtype": "float32", "max_model_len": 1024, "num_kv_blocks": 4096}
+    base = LLM(**kw)
+    prompts = [base.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    prompts.append(base.tokenizer.encode("one two three one two three one two three one two"))
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
+    reference = [o.outputs[0].token_ids for o in base.generate(prompts, greedy)]
+    cfg = DSparkConfig.for_target(base.engine.model_config, num_layers=1, block_size=7, markov_rank=16)
+    drafter = str(save_drafter(random_drafter(cfg, seed=0), tmp_path / "drafter"))
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4}, {"method": "dspark", "model": drafter}):
+        llm = LLM(**kw, speculative_config=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference, spec
+        sampled = llm.generate(prompts, SamplingParams(temperature=0.8, seed=3, max_tokens=24))
+        assert all(o.outputs[0].token_ids for o in sampled)
+        m = llm.get_metrics()
+        assert m["spec_decode_num_draft_tokens"] > 0 and m["kv_num_used_blocks"] == 0

@@ -117,3 +117,75 @@ def test_bad_arguments() -> None:
         verify(p, None, [VerifyRow(0, 0, [1])], "probabilistic")
     with pytest.raises(ValueError, match="rows"):
         verify(p, None, [VerifyRow(0, 0, [1, 2])], "strict")
+
+
+# One ragged batch: request l verifies l drafts (l = 0..4), each position with its own (target, draft) pair.
+# "disjoint supports" sits last in the requests that use it, so every position of every request is reached.
+RAGGED_PAIRS: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {
+    0: [],
+    1: [PAIRS["peaked wrong draft"]],
+    2: [PAIRS["uniform draft"], PAIRS["disjoint supports"]],
+    3: [PAIRS["same"], (_dist(1, 4, 0, 2, 1, 0), _dist(2, 1, 1, 0, 1, 1)), PAIRS["uniform draft"]],
+    4: [PAIRS["uniform draft"], PAIRS["same"], PAIRS["draft misses target tokens"], PAIRS["disjoint supports"]],
+}
+# The target's distribution at the bonus position of each request.
+RAGGED_BONUS = {
+    0: _dist(0, 1, 2, 3, 0, 1),
+    1: _dist(2, 0, 0, 1, 1, 3),
+    2: _dist(1, 1, 0, 0, 0, 0),  # never reached: its last draft is disjoint from the target
+    3: _dist(0, 0, 3, 1, 0, 2),
+    4: _dist(1, 0, 0, 0, 0, 1),  # never reached
+}
+# Chi-square critical values at p = 0.001 by degrees of freedom.
+CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def test_probabilistic_ragged_batch_every_position_has_the_target_distribution() -> None:
+    """Requests verifying 0..4 drafts side by side in one call: at every position j of every request, the emitted
+    token (given that position is emitted) is distributed as p_j, tokens with p_j = 0 never appear, and each draft
+    is accepted with probability sum_x min(p_j(x), q_j(x)) (1 - total variation)."""
+    n = 6000
+    lengths = sorted(RAGGED_PAIRS)
+    targets = {ell: [p for p, _ in RAGGED_PAIRS[ell]] + [RAGGED_BONUS[ell]] for ell in lengths}
+    tp = torch.cat([torch.stack(targets[ell]) for ell in lengths])
+    dp = torch.cat([torch.stack([q for _, q in RAGGED_PAIRS[ell]]) for ell in lengths if ell])
+    counts = {ell: torch.zeros(ell + 1, V) for ell in lengths}
+    for batch in range(n):
+        rows = []
+        for ell in lengths:
+            seed, first = batch * 16 + ell, 3 * ell + batch % 5  # ragged counters too
+            drafts = [inverse_cdf(q, uniform(seed, first + j, stream=7)) for j, (_, q) in enumerate(RAGGED_PAIRS[ell])]
+            rows.append(VerifyRow(seed, first, drafts))
+        out = verify(tp, dp, rows)
+        for ell, row, emitted in zip(lengths, rows, out, strict=True):
+            assert 1 <= len(emitted) <= ell + 1
+            assert emitted[:-1] == row.draft_tokens[: len(emitted) - 1], "an emitted prefix differs from the drafts"
+            for j, tok in enumerate(emitted):
+                counts[ell][j, tok] += 1
+
+    for ell in lengths:
+        reached = counts[ell].sum(1)  # how often each position was emitted
+        assert reached[0] == n
+        for j in range(ell + 1):
+            p = targets[ell][j]
+            zero = p == 0
+            assert counts[ell][j, zero].sum() == 0, f"l={ell}, position {j}: a token with p_j = 0 was emitted"
+            if j < ell:  # position j + 1 is emitted exactly when draft j is accepted
+                rate = min(1.0, float(torch.minimum(p, RAGGED_PAIRS[ell][j][1]).sum()))
+                tried, went_on = float(reached[j]), float(reached[j + 1])
+                sd = (tried * rate * (1 - rate)) ** 0.5
+                assert abs(went_on - tried * rate) <= 4.5 * sd + 1e-6, (
+                    f"l={ell}: draft {j} accepted {went_on:.0f} of {tried:.0f} times, expected rate {rate:.3f}"
+                )
+            total = float(reached[j])
+            if total == 0:  # only behind a draft whose support is disjoint from the target's
+                assert j >= 1 and float(torch.minimum(*RAGGED_PAIRS[ell][j - 1]).sum()) == 0
+                continue
+            assert total >= 500, f"l={ell}, position {j}: too few samples ({total:.0f}) for a chi-square test"
+            expected = p * total
+            chi2 = float((((counts[ell][j] - expected) ** 2)[~zero] / expected[~zero]).sum())
+            df = int((~zero).sum()) - 1
+            assert chi2 < CHI2_CRITICAL[df], (
+                f"l={ell}, position {j}: emitted {counts[ell][j].tolist()} vs expected {expected.tolist()} "
+                f"(chi2 {chi2:.1f}, df {df})"
+            )

@@ -23,7 +23,7 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int
     """Evenly spaced from layer 1 to layer L-3 (DESIGN.md section 6): early, middle and late features."""
     first, last = 1, max(1, num_target_layers - 3)
     if num_taps == 1:
-        return ((first + last) // 2,)
+        return (min((first + last) // 2, num_target_layers - 1),)
     ids = sorted({round(first + i * (last - first) / (num_taps - 1)) for i in range(num_taps)})
     return tuple(min(i, num_target_layers - 1) for i in ids)
 
@@ -42,8 +42,8 @@ class DSparkConfig:
     max_position_embeddings: int
     block_size: int  # K: a block is [anchor, mask x (K-1)] and yields K drafts
     target_layer_ids: tuple[int, ...]
-    markov_rank: int
-    num_target_layers: int
+    markov_rank: int  # 0: no Markov head (DFlash-style: every draft from the backbone alone)
+    num_target_layers: int | None  # None: not recorded (DFlash configs); then only the tapped ids are checked
     confidence_head: bool = True
     # None: a learned mask embedding stored with the drafter (`mask_embedding`), for targets such as SmolLM2 whose
     # vocabulary has no spare token; otherwise the target's embedding of this id.
@@ -51,7 +51,7 @@ class DSparkConfig:
     sts_temperatures: tuple[float, ...] | None = None  # per-position calibration (Sequential Temperature Scaling)
 
     def __post_init__(self) -> None:
-        for name in (
+        positive = (
             "vocab_size",
             "hidden_size",
             "intermediate_size",
@@ -60,18 +60,24 @@ class DSparkConfig:
             "num_kv_heads",
             "head_dim",
             "block_size",
-            "markov_rank",
-            "num_target_layers",
-        ):
+        )
+        for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if not isinstance(self.markov_rank, int) or self.markov_rank < 0:
+            raise ValueError(f"markov_rank={self.markov_rank!r} must be a non-negative integer (0: no Markov head)")
+        if self.num_target_layers is not None and (
+            not isinstance(self.num_target_layers, int) or self.num_target_layers <= 0
+        ):
+            raise ValueError(f"num_target_layers={self.num_target_layers!r} must be a positive integer")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads}")
         ids = self.target_layer_ids
-        if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.num_target_layers:
+        limit = self.num_target_layers
+        if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0 or (limit is not None and ids[-1] >= limit):
             raise ValueError(
-                f"target_layer_ids={list(ids)} must be strictly increasing layer indices "
-                f"in [0, {self.num_target_layers})"
+                f"target_layer_ids={list(ids)} must be strictly increasing layer indices"
+                + (f" in [0, {limit})" if limit is not None else "")
             )
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} is not in the vocabulary [0, {self.vocab_size})")
@@ -134,7 +140,7 @@ class DSparkConfig:
             problems.append(f"vocab_size {self.vocab_size} != the target's {target.vocab_size}")
         if self.hidden_size != target.hidden_size:
             problems.append(f"hidden_size {self.hidden_size} != the target's {target.hidden_size}")
-        if self.num_target_layers != target.num_layers:
+        if self.num_target_layers is not None and self.num_target_layers != target.num_layers:
             problems.append(f"num_target_layers {self.num_target_layers} != the target's {target.num_layers} layers")
         if self.target_layer_ids[-1] >= target.num_layers:
             problems.append(f"target_layer_ids {list(self.target_layer_ids)} reach past the target's layers")
@@ -186,6 +192,7 @@ class DSparkConfig:
             {
                 k: raw[k]
                 for k in (
+                    "enable_confidence_head",
                     "block_size",
                     "target_layer_ids",
                     "mask_token_id",
@@ -221,9 +228,9 @@ class DSparkConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 block_size=int(need("block_size", own)),
                 target_layer_ids=tuple(int(i) for i in ids),
-                markov_rank=int(own.get("markov_rank") or markov_rank or 0),
-                num_target_layers=int(own.get("num_target_layers") or max(ids) + 4),
-                confidence_head=bool(own.get("confidence_head", True)),
+                markov_rank=int(own["markov_rank"] if own.get("markov_rank") is not None else markov_rank or 0),
+                num_target_layers=None if own.get("num_target_layers") is None else int(own["num_target_layers"]),
+                confidence_head=bool(own.get("confidence_head", own.get("enable_confidence_head", True))),
                 mask_token_id=None if own.get("mask_token_id") is None else int(own["mask_token_id"]),
                 sts_temperatures=None if temps is None else tuple(float(t) for t in temps),
             )

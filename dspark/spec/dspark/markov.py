@@ -52,7 +52,7 @@ def sample_block(
     base_logits: torch.Tensor,  # [R_pad, k, vocab] fp32: lm_head of the backbone's states (rows past R: padding)
     h: torch.Tensor,  # [R_pad, k, hidden]
     anchors: torch.Tensor,  # [R_pad] int64
-    head: MarkovHead,
+    head: MarkovHead | None,  # None: no Markov correction (the drafts come from the backbone alone)
     confidence: ConfidenceHead | None,
     rows: list[DraftRow],
     sample: bool,  # False: every draft is the argmax (no distribution is returned)
@@ -63,8 +63,11 @@ def sample_block(
     temps = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=h.device)
     greedy = torch.tensor([r.greedy for r in rows], device=h.device)
     for j in range(k):
-        e, correction = head(prev)
-        logits = base_logits[:, j] + correction  # [R_pad, vocab]
+        if head is not None:
+            e, correction = head(prev)
+            logits = base_logits[:, j] + correction  # [R_pad, vocab]
+        else:
+            e, logits = h.new_zeros(h.shape[0], 0), base_logits[:, j]
         if confidence is not None:
             conf.append(confidence.logit(h[:, j], e)[:num_reqs])
         top = torch.argmax(logits[:num_reqs], dim=-1)

@@ -30,7 +30,7 @@ class DSparkModel(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(lc, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank else None
         self.confidence_head = ConfidenceHead(cfg.hidden_size, cfg.markov_rank) if cfg.confidence_head else None
         if cfg.mask_token_id is None:
             self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
@@ -43,18 +43,21 @@ class DSparkModel(nn.Module):
 
     def write_context(
         self,
-        features: torch.Tensor,  # [n, hidden]
+        features: torch.Tensor,  # [rows >= n, hidden]: rows past n are padding
         positions: torch.Tensor,  # [n]
         slots: torch.Tensor,  # [n] int64, all valid
         caches: list[KVCache],
     ) -> None:
-        """Store the context keys and values of every draft layer: what later blocks attend to."""
-        n = features.shape[0]
+        """Store the context keys and values of every draft layer: what later blocks attend to.
+
+        NOTE: the projections run on the padded rows and are cut after, so a token's key never depends on how many
+        tokens were written beside it (worker/numerics.py)."""
+        n = positions.shape[0]
         rope = self.rotary(positions)
         for layer, cache in zip(self.layers, caches, strict=True):
             attn = layer.self_attn
-            k = attn.k_norm(attn.k_proj(features).view(n, attn.num_kv_heads, attn.head_dim))
-            v = attn.v_proj(features).view(n, attn.num_kv_heads, attn.head_dim)
+            k = attn.k_norm(attn.k_proj(features)[:n].view(n, attn.num_kv_heads, attn.head_dim))
+            v = attn.v_proj(features)[:n].view(n, attn.num_kv_heads, attn.head_dim)
             write_kv(cache, apply_rotary(k, rope), v, slots)
 
     def mask_input(self, embed: nn.Embedding) -> torch.Tensor:

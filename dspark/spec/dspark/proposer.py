@@ -62,8 +62,7 @@ class DSparkDrafter:
             return
         pad = padded_rows(n) - n  # batch-invariant matmuls (worker/numerics.py); padding rows are dropped
         taps = torch.cat([taps, taps.new_zeros(pad, taps.shape[1])]) if pad else taps
-        features = self.model.context_features(taps)[:n]
-        self.model.write_context(features, positions, slots, self.caches)
+        self.model.write_context(self.model.context_features(taps), positions, slots, self.caches)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> Proposal:
@@ -117,5 +116,6 @@ class DSparkDrafter:
         )
         confidences = None
         if drafts.confidence_logits is not None:
-            confidences = torch.sigmoid(drafts.confidence_logits * self.inv_temperature).tolist()
+            # NOTE: not torch.sigmoid, whose vectorised loop gives an element different bits by where it sits.
+            confidences = (1 / (1 + torch.exp(-drafts.confidence_logits * self.inv_temperature))).tolist()
         return Proposal(drafts.tokens.tolist(), drafts.probs, confidences)
