@@ -85,7 +85,10 @@ def run_spec_bench(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError("repeats", repeats, "must be a positive integer")
     prompts = load_prompts(dataset_path, num_prompts)
-    spec_llm = LLM(**dataclasses.asdict(config))
+    # NOTE: on a GPU each engine sizes its KV cache from the memory still free, so the first gets half the share and
+    # the second, seeing the first's use, the rest.
+    half = dataclasses.replace(config, gpu_memory_utilization=config.gpu_memory_utilization / 2)
+    spec_llm = LLM(**dataclasses.asdict(half))
     base_llm = LLM(**{**dataclasses.asdict(config), "speculative_config": None})
     prompt_ids = tokenize(spec_llm, prompts, chat)
     params = SamplingParams(temperature=temperature, max_tokens=output_len, seed=0 if temperature > 0 else None)

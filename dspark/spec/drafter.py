@@ -43,7 +43,9 @@ class Drafter(Protocol):
         taps: torch.Tensor | None,  # [n, len(tap_layers) * hidden]: the target's tapped outputs of tokens that stay
         positions: torch.Tensor,  # [n] int64
         slots: torch.Tensor,  # [n] int64: their KV slots (the drafter's cache shares the target's block tables)
-    ) -> None: ...
+    ) -> None:
+        """Called after every step that tapped layers (drafters with an empty tap_layers are never called)."""
+        ...
 
     def propose(self, requests: list[Request]) -> Proposal:
         """Drafts continuing each request's tokens; each request's target KV covers all but its last token."""

@@ -55,29 +55,45 @@ def verify(
     expected = sum(len(r.draft_tokens) + 1 for r in rows)
     if target_probs.shape[0] != expected:
         raise ValueError(f"target_probs has {target_probs.shape[0]} rows, the drafts need {expected}")
+    # NOTE: everything a row's decisions read is gathered up front (one device-to-host copy each), so the loop below
+    # runs on host values; only a rejection's residual and a non-greedy bonus touch the device again, once a request.
+    tops = target_probs.argmax(dim=-1).tolist()
+    t_index, d_index, tokens = [], [], []
+    t_row = d_row = 0
+    for r in rows:
+        t_index += range(t_row, t_row + len(r.draft_tokens))
+        d_index += range(d_row, d_row + len(r.draft_tokens))
+        tokens += r.draft_tokens
+        t_row += len(r.draft_tokens) + 1
+        d_row += len(r.draft_tokens)
+    probabilistic = method == "probabilistic" and bool(tokens)
+    if probabilistic:
+        x = torch.tensor(tokens, device=target_probs.device)
+        p_at = target_probs[torch.tensor(t_index, device=x.device), x].tolist()
+        q_at = draft_probs[torch.tensor(d_index, device=x.device), x].tolist()  # type: ignore[index]
+
     out: list[list[int]] = []
     t_row = d_row = 0
     for r in rows:
         emitted: list[int] = []
-        for k, x in enumerate(r.draft_tokens):
-            p = target_probs[t_row + k]
+        for k, x_k in enumerate(r.draft_tokens):
             n = r.first_counter + k
             if r.greedy:
-                choice = int(torch.argmax(p))
+                choice = tops[t_row + k]
             elif method == "strict":
-                choice = inverse_cdf(p, uniform(r.seed, n))
+                choice = inverse_cdf(target_probs[t_row + k], uniform(r.seed, n))
             else:
-                q = draft_probs[d_row + k]  # type: ignore[index]
                 # NOTE: u * q < p rather than u < p / q: exact when q(x) = 0 (a draft the drafter could not have
                 # proposed is always accepted only if the target allows it).
-                choice = x if uniform(r.seed, n, ACCEPT_STREAM) * float(q[x]) < float(p[x]) else _residual(p, q, r, n)
+                accept = uniform(r.seed, n, ACCEPT_STREAM) * q_at[d_row + k] < p_at[d_row + k]
+                choice = x_k if accept else _residual(target_probs[t_row + k], draft_probs[d_row + k], r, n)  # type: ignore[index]
             emitted.append(choice)
-            if choice != x:
+            if choice != x_k:
                 break
         else:  # every draft accepted: the bonus token, drawn as plain sampling would draw it
-            p = target_probs[t_row + len(r.draft_tokens)]
+            b = t_row + len(r.draft_tokens)
             n = r.first_counter + len(r.draft_tokens)
-            emitted.append(int(torch.argmax(p)) if r.greedy else inverse_cdf(p, uniform(r.seed, n)))
+            emitted.append(tops[b] if r.greedy else inverse_cdf(target_probs[b], uniform(r.seed, n)))
         out.append(emitted)
         t_row += len(r.draft_tokens) + 1
         d_row += len(r.draft_tokens)

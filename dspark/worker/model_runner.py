@@ -113,7 +113,7 @@ class ModelRunner:
             out = self._verify(sched, hidden, query_start)
         else:
             out = self._sample(sched, hidden, query_start)
-        if self.drafter is not None:
+        if self.drafter is not None and self.drafter.tap_layers:
             # The drafter's context grows by what the target keeps: every plain token and the accepted drafts.
             keep = [
                 i

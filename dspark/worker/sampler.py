@@ -95,11 +95,13 @@ class Sampler:
         vocab = logits.shape[1]
         temps = torch.tensor([max(r.temperature, GREEDY_BELOW) for r in rows], device=logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
+        greedy = [i for i, r in enumerate(rows) if r.greedy]
+        if greedy:  # one batched write, not a few small kernels per row
+            g = torch.tensor(greedy, device=logits.device)
+            probs[g] = torch.nn.functional.one_hot(logits[g].argmax(dim=-1), vocab).to(probs.dtype)
         for i, r in enumerate(rows):
-            if r.greedy:
-                probs[i] = 0.0
-                probs[i, int(torch.argmax(logits[i]))] = 1.0
-                continue
+            if r.greedy or not (r.min_p > 0.0 or 0 < r.top_k < vocab or r.top_p < 1.0):
+                continue  # softmax rows are already normalised
             p = probs[i]
             if r.min_p > 0.0:
                 p[p < r.min_p * p.max()] = 0.0
@@ -121,10 +123,8 @@ class Sampler:
         """Inverse-CDF sampling with one counter-based uniform per row (no generator state, no vocab-sized noise).
 
         Greedy rows are one-hot in probs already (at the argmax of the processed logits)."""
-        return [
-            int(torch.argmax(probs[i])) if r.greedy else inverse_cdf(probs[i], uniform(r.seed, r.counter))
-            for i, r in enumerate(rows)
-        ]
+        tops = probs[: len(rows)].argmax(dim=-1).tolist() if any(r.greedy for r in rows) else []
+        return [tops[i] if r.greedy else inverse_cdf(probs[i], uniform(r.seed, r.counter)) for i, r in enumerate(rows)]
 
 
 def inverse_cdf(p: torch.Tensor, u: float) -> int:
