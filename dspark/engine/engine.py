@@ -151,8 +151,9 @@ class LLMEngine:
         return k or 4
 
     def _kv_blocks_that_fit(self) -> int:
-        draft_layers = self.dspark_model.config.num_layers if self.dspark_model is not None else 0
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype, draft_layers)
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        if self.dspark_model is not None:  # the drafter's context cache shares the block tables
+            per_block += kv_bytes_per_block(self.dspark_model.config.layer_config, self.config.block_size, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for activations and logits of the largest step.
@@ -225,6 +226,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that produced a token or finished."""
         sched = self.scheduler.schedule()
+        for rid in sched.preempted:  # their drafts were dropped; so go the distributions they were drawn from
+            self.runner.release(rid)
         if not sched.scheduled:
             if self.scheduler.has_unfinished():
                 raise DSparkError("scheduler made no progress: the KV cache cannot hold even one request")
@@ -246,9 +249,10 @@ class LLMEngine:
             req.spec_token_ids, req.spec_confidences = [], None
             # Rejected drafts' KV stays where it is, past num_computed_tokens, to be overwritten later.
             req.num_computed_tokens += s.num_new_tokens - num_rejected
-            self.kv.cache_computed_blocks(req)
             sampled = result.sampled.get(req.request_id)
-            if sampled is not None:
+            if sampled is None:  # a prompt chunk: its tokens are all known already
+                self.kv.cache_computed_blocks(req)
+            else:
                 req.first_token_time = req.first_token_time or now
                 outputs.append(self._process(req, sampled, now))
                 if not req.status.finished and self.spec is not None:
@@ -288,6 +292,8 @@ class LLMEngine:
             status = self._append(tracked, row)
             if status is not None:
                 break
+        # NOTE: after the accepted drafts are appended (a block's hash needs its tokens), before finishing frees it.
+        self.kv.cache_computed_blocks(req)
         if status is not None:
             self._finish(req, status, now)
             del self._tracked[req.request_id]

@@ -110,7 +110,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        # NOTE: a stop inside accepted drafts leaves num_computed_tokens past the tokens the request kept.
+        num_full = min(min(req.num_computed_tokens, req.num_tokens) // bs, len(req.block_ids))
         tokens = req.all_token_ids
         while len(req.block_hashes) < num_full:
             i = len(req.block_hashes)

@@ -72,12 +72,17 @@ class Scheduler:
             num_new = min(num_plain + len(req.spec_token_ids), budget)
             spec = req.spec_token_ids[: max(0, num_new - num_plain)]
             lookahead = self.num_lookahead_tokens if num_new >= num_plain else 0
-            while not self.kv.allocate(req, num_new, lookahead=lookahead):
+            fits = self.kv.allocate(req, num_new, lookahead=lookahead)
+            if not fits and spec:  # short of blocks: shed the drafts before preempting anyone
+                spec, num_new = [], num_plain
+                fits = self.kv.allocate(req, num_new, lookahead=lookahead)
+            while not fits:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
                     break
+                fits = self.kv.allocate(req, num_new, lookahead=lookahead)
             else:
                 out.scheduled.append(ScheduledRequest(req, num_new, spec))
                 budget -= num_new

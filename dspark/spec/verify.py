@@ -80,15 +80,17 @@ def verify(
             n = r.first_counter + k
             if r.greedy:
                 choice = tops[t_row + k]
+                accept = choice == x_k
             elif method == "strict":
                 choice = inverse_cdf(target_probs[t_row + k], uniform(r.seed, n))
+                accept = choice == x_k
             else:
                 # NOTE: u * q < p rather than u < p / q: exact when q(x) = 0 (a draft the drafter could not have
                 # proposed is always accepted only if the target allows it).
                 accept = uniform(r.seed, n, ACCEPT_STREAM) * q_at[d_row + k] < p_at[d_row + k]
                 choice = x_k if accept else _residual(target_probs[t_row + k], draft_probs[d_row + k], r, n)  # type: ignore[index]
             emitted.append(choice)
-            if choice != x_k:
+            if not accept:  # a rejection ends the row even if the correction happens to equal the draft
                 break
         else:  # every draft accepted: the bonus token, drawn as plain sampling would draw it
             b = t_row + len(r.draft_tokens)

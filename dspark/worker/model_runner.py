@@ -31,8 +31,8 @@ class RunnerOutput:
     num_accepted: dict[str, int] = field(default_factory=dict)  # request id -> drafts accepted, if it verified any
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
-    return 2 * (cfg.num_layers + extra_layers) * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 class ModelRunner:

@@ -17,6 +17,7 @@ import torch
 from dspark.config import GREEDY_BELOW
 
 _MASK64 = (1 << 64) - 1
+_STREAM_SALT = 0x5DEECE66D2F1A7B3
 
 
 def mix_seed(seed: int, counter: int) -> int:
@@ -154,8 +155,8 @@ def uniform(seed: int, counter: int, stream: int = 0) -> float:
     Stream 0 is the token sampled at output position `counter`; speculative verification draws its acceptance tests
     from other streams, so they never reuse the sampling draw.
     """
-    if stream:
-        seed = mix_seed(seed, stream)
+    if stream:  # salted, so a stream's seed is not stream 0's draw at output position `stream`
+        seed = mix_seed(seed ^ _STREAM_SALT, stream)
     return (mix_seed(seed, counter) >> 10) / float(1 << 53)
 
 

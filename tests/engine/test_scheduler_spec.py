@@ -155,8 +155,9 @@ def test_no_lookahead_for_a_chunked_admission() -> None:
     assert len(long.block_ids) == blocks_for(4)
 
 
-def test_lookahead_that_does_not_fit_preempts() -> None:
-    # a: 4 computed + 1 plain + 3 drafts = 8 slots fit its 2 blocks, but the lookahead needs a third: b makes room.
+def test_lookahead_that_does_not_fit_sheds_drafts_then_preempts() -> None:
+    # a: 4 computed + 1 plain + 3 drafts + K lookahead = 11 slots (3 blocks) do not fit; without its drafts 8 slots
+    # (2 blocks) do. b then cannot fit even without drafts (2 + 1 + K = 6 slots, 2 blocks): it is preempted.
     sched = make_sched(num_blocks=3, lookahead=0)
     a = decoding(sched, "r0", BS, [1, 2, 3])
     b = decoding(sched, "r1", 2, [4, 5, 6])
@@ -164,8 +165,8 @@ def test_lookahead_that_does_not_fit_preempts() -> None:
     sched.num_lookahead_tokens = K
     out = sched.schedule()
     assert out.preempted == ["r1"]
-    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(a, 4)]
-    assert len(a.block_ids) == blocks_for(BS + 4 + K) == 3
+    assert [(s.request, s.num_new_tokens, s.spec_token_ids) for s in out.scheduled] == [(a, 1, [])]
+    assert len(a.block_ids) == blocks_for(BS + 1 + K) == 2
     assert b.spec_token_ids == [] and b.spec_confidences is None
 
 
@@ -173,7 +174,7 @@ def test_lookahead_that_does_not_fit_preempts() -> None:
 
 
 def test_preemption_drops_drafts_and_confidences() -> None:
-    sched = make_sched(num_blocks=5, lookahead=0)
+    sched = make_sched(num_blocks=4, lookahead=0)
     a = decoding(sched, "r0", BS, [1, 2, 3])  # 2 blocks after this step's 4 tokens
     b = decoding(sched, "r1", BS, [4, 5, 6])
     c = decoding(sched, "r2", BS - 1, [7, 8])  # 1 block now, 2 after this step
@@ -304,3 +305,19 @@ def test_aborting_drafting_requests_returns_every_block() -> None:
     for r in reqs:
         sched.finish(r, RequestStatus.FINISHED_ABORTED)
     assert sched.kv.num_used_blocks == 0 and all(c == 0 for c in sched.kv.ref_count)
+
+
+def test_drafts_are_shed_before_anyone_is_preempted() -> None:
+    """Short of blocks, a request verifies no drafts this step rather than preempting another request."""
+    sched = make_sched(num_blocks=8, lookahead=K)
+    a = decoding(sched, "r0", 7, [1, 2, 3])  # 7 prompt + K lookahead: 3 blocks
+    b = decoding(sched, "r1", 11, [4, 5, 6])  # 11 + K: 4 blocks
+    assert sched.kv.num_free_blocks == 1
+    out = sched.schedule()
+    got = by_id(out)
+    assert not out.preempted
+    # r0 needs 7 + 4 + K = 14 slots (4 blocks) with its drafts: one more block, which fits.
+    assert got["r0"].spec_token_ids == [1, 2, 3]
+    # r1 would need 11 + 4 + K = 18 slots (5 blocks) with drafts; without them 11 + 1 + K = 15 (4 blocks): it has those.
+    assert got["r1"].spec_token_ids == [] and got["r1"].num_new_tokens == 1
+    assert b.status is RequestStatus.RUNNING and a.status is RequestStatus.RUNNING

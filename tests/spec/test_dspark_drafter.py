@@ -759,3 +759,31 @@ def test_a_drafter_without_markov_and_confidence_heads(tmp_path: Path, tiny_mode
     assert llm.engine.dspark_model is not None and llm.engine.dspark_model.markov_head is None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
     assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_drafter_positions_follow_the_target_not_its_own_config(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """A drafter whose config says max_position_embeddings=32 still drafts at position 200 of a 1024-token target."""
+    target_dir = tiny_model_dirs["llama"]
+    cfg = dataclasses.replace(
+        DSparkConfig.for_target(load_config(target_dir), block_size=4, num_taps=2, markov_rank=4),
+        max_position_embeddings=32,
+    )
+    out = save_drafter(random_drafter(cfg), tmp_path / "short")
+    prompt = list(range(300, 500))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = _llm(target_dir, None).generate([prompt], params)[0].outputs[0].token_ids
+    llm = _llm(target_dir, {"method": "dspark", "model": str(out)})
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == reference
+
+
+def test_a_config_silent_on_heads_follows_the_tensors(tmp_path: Path, tiny_model_dirs: dict[str, Path]) -> None:
+    """DFlash configs name neither head: no confidence_head.* tensors means no confidence head (not a load error)."""
+    target = load_config(tiny_model_dirs["llama"])
+    cfg = DSparkConfig.for_target(target, block_size=4, num_taps=2, markov_rank=4, confidence_head=False)
+    out = save_drafter(random_drafter(cfg), tmp_path / "dflash")
+    (out / "config.json").write_text(json.dumps(_dflash_config(cfg)))
+    loaded = load_drafter(out, target, F32, CPU)
+    assert loaded.config.confidence_head is False and loaded.confidence_head is None
+    assert loaded.config.markov_rank == 4 and loaded.config.num_target_layers is None

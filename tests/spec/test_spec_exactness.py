@@ -194,3 +194,16 @@ def test_smollm2_greedy_output_is_unchanged_by_speculation(method: str, tmp_path
             speculative_config={**spec, "num_speculative_tokens": k},
         )
         assert _tokens(llm.generate(prompts, params)) == reference, f"k={k}"
+
+
+def test_prefix_cache_covers_generated_text_under_speculation(tiny_model_dirs: dict[str, Path]) -> None:
+    """Blocks filled by accepted drafts are hashed from their real tokens: a follow-up prompt that repeats the first
+    request's prompt and output hits the cache for all of its full blocks."""
+    llm = _llm(str(tiny_model_dirs["llama"]), {"method": "ngram", "num_speculative_tokens": 4}, block_size=4)
+    prompt = ([5, 6, 7, 8, 9, 10] * 8)[:45]
+    first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    assert first.metrics.spec_num_accepted_tokens > 4, "accepted drafts were meant to fill blocks"
+    history = prompt + first.outputs[0].token_ids
+    follow = llm.generate([[*history, 11, 12]], SamplingParams(temperature=0.0, max_tokens=1))[0]
+    # Every block of the first request's computed tokens (all but its last token) is found again.
+    assert follow.metrics.num_cached_tokens == (len(history) - 1) // 4 * 4

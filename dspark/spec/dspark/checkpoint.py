@@ -19,6 +19,7 @@ from dspark.spec.dspark.model import DSparkModel
 
 WEIGHTS = "model.safetensors"
 RANK_KEY = "markov_head.markov_w1.weight"
+CONFIDENCE_KEY = "confidence_head.proj.weight"
 
 
 def random_drafter(cfg: DSparkConfig, seed: int = 0) -> DSparkModel:
@@ -68,7 +69,10 @@ def load_drafter(path: str | Path, target: ModelConfig, dtype: torch.dtype, devi
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
     rank = tensors[RANK_KEY].shape[1] if RANK_KEY in tensors and tensors[RANK_KEY].dim() == 2 else None
-    cfg = DSparkConfig.from_json(raw, str(path / "config.json"), markov_rank=rank)
+    # Configs that do not say (DFlash's) have a Markov head or a confidence head exactly when their tensors are there.
+    cfg = DSparkConfig.from_json(
+        raw, str(path / "config.json"), markov_rank=rank, confidence_head=CONFIDENCE_KEY in tensors
+    )
     cfg.check_target(target, str(path))
 
     model = DSparkModel(cfg)
@@ -89,6 +93,8 @@ def load_drafter(path: str | Path, target: ModelConfig, dtype: torch.dtype, devi
                 )
             p.copy_(t)
     model = model.to(device=device, dtype=dtype)
-    # NOTE: RoPE tables stay fp32 whatever the weights' dtype (as the target's).
-    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings + cfg.block_size).to(device)
+    # NOTE: RoPE tables stay fp32 whatever the weights' dtype (as the target's), and cover every position the target
+    # can reach plus a block, whatever the drafter's own config says.
+    positions = max(cfg.max_position_embeddings, target.max_position_embeddings) + cfg.block_size
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, positions).to(device)
     return model.eval()

@@ -180,8 +180,10 @@ class DSparkConfig:
         }
 
     @classmethod
-    def from_json(cls, raw: Any, source: str, markov_rank: int | None = None) -> DSparkConfig:
-        """Parse config.json; markov_rank may come from the checkpoint's tensor shapes when the file lacks it."""
+    def from_json(
+        cls, raw: Any, source: str, markov_rank: int | None = None, confidence_head: bool = True
+    ) -> DSparkConfig:
+        """Parse config.json; markov_rank and confidence_head, when the file lacks them, come from the checkpoint."""
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{source}: config.json must hold a JSON object")
         own: dict[str, Any] = {}
@@ -230,7 +232,7 @@ class DSparkConfig:
                 target_layer_ids=tuple(int(i) for i in ids),
                 markov_rank=int(own["markov_rank"] if own.get("markov_rank") is not None else markov_rank or 0),
                 num_target_layers=None if own.get("num_target_layers") is None else int(own["num_target_layers"]),
-                confidence_head=bool(own.get("confidence_head", own.get("enable_confidence_head", True))),
+                confidence_head=bool(own.get("confidence_head", own.get("enable_confidence_head", confidence_head))),
                 mask_token_id=None if own.get("mask_token_id") is None else int(own["mask_token_id"]),
                 sts_temperatures=None if temps is None else tuple(float(t) for t in temps),
             )
