@@ -1,0 +1,93 @@
+"""Step-cost curves: how many milliseconds a target step of n tokens (verify_ms) and a draft step for r requests
+(draft_ms) take on this machine, from profiled points (DESIGN.md section 5).
+
+- At or below the CUDA-graph capture limit a step is padded up to the next captured size, so the curve is a step
+  function: the cost of the smallest profiled size >= n.
+- Above the limit: linear interpolation between profiled points, linear extrapolation past the last one.
+- Forced monotone (a running maximum): a larger step never predicts cheaper, whatever the profiling noise.
+- The interface takes the step's context size too (unused for now), so a context-aware curve needs no redesign.
+
+Profiling itself (dummy steps at start-up, median of 5) and persistence are the engine's; a curve is data here:
+points in, predictions out, JSON round trip.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CostCurve:
+    sizes: list[int]  # profiled sizes, strictly increasing
+    ms: list[float]  # measured milliseconds (medians), one per size
+    capture_limit: int = 0  # sizes <= this are padded to the next profiled size (0: no step part)
+    monotone_ms: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.ms):
+            raise ValueError(f"a cost curve needs one time per size: {len(self.sizes)} sizes, {len(self.ms)} times")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:], strict=False)) or self.sizes[0] < 1:
+            raise ValueError(f"sizes must be positive and strictly increasing, got {self.sizes}")
+        if self.capture_limit and self.capture_limit not in self.sizes:
+            raise ValueError(f"capture_limit={self.capture_limit} must be a profiled size")
+        running, out = float("-inf"), []
+        for t in self.ms:
+            running = max(running, float(t))
+            out.append(running)
+        self.monotone_ms = out
+
+    def __call__(self, n: torch.Tensor, context_tokens: int | None = None) -> torch.Tensor:
+        """Predicted milliseconds for sizes n ([m] int64) -> [m] fp64. context_tokens is accepted, not used yet.
+
+        Monotone in n: the times are a running maximum, interpolation between them never decreases, and the step
+        part ends at a profiled size, where the linear part starts from the same value."""
+        sizes = torch.tensor(self.sizes, dtype=torch.float64)
+        ms = torch.tensor(self.monotone_ms, dtype=torch.float64)
+        x = n.to(torch.float64)
+        above = torch.searchsorted(sizes, x).clamp(max=len(self.sizes) - 1)  # smallest profiled size >= n
+        step = ms[above]
+        if len(self.sizes) == 1:
+            linear = ms[0] * x / sizes[0]  # one point: proportional
+        else:
+            hi = above.clamp(min=1)
+            lo = hi - 1
+            linear = ms[lo] + (ms[hi] - ms[lo]) / (sizes[hi] - sizes[lo]) * (x - sizes[lo])
+        out = torch.where(x <= self.capture_limit, step, linear)
+        return out.clamp(min=float(ms[0]))  # below the first profiled size: never cheaper than it
+
+
+@dataclass
+class CostModel:
+    verify: CostCurve  # by the step's token count
+    draft: CostCurve  # by the number of drafting requests
+    key: dict[str, Any] = field(default_factory=dict)  # model, device, dtype, K, capture grid: when it may be reused
+
+    def verify_ms(self, num_tokens: torch.Tensor, context_tokens: int | None = None) -> torch.Tensor:
+        return self.verify(num_tokens, context_tokens)
+
+    def draft_ms(self, num_reqs: int) -> float:
+        return float(self.draft(torch.tensor([max(num_reqs, 1)]))[0]) if num_reqs else 0.0
+
+    def save(self, path: Path) -> None:
+        data = {
+            "key": self.key,
+            "verify": {k: v for k, v in asdict(self.verify).items() if k != "monotone_ms"},
+            "draft": {k: v for k, v in asdict(self.draft).items() if k != "monotone_ms"},
+        }
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path, key: dict[str, Any]) -> CostModel | None:
+        """The saved model when it was profiled for exactly this key; None when absent, stale or unreadable."""
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") != key:
+                return None
+            return cls(CostCurve(**data["verify"]), CostCurve(**data["draft"]), key)
+        except (OSError, ValueError, TypeError, KeyError):
+            return None

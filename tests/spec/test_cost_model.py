@@ -1,0 +1,66 @@
+"""Step-cost curves: a step function up to the capture limit, linear above, monotone, and a JSON round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.spec.cost_model import CostCurve, CostModel
+
+
+def _at(curve: CostCurve, *n: int) -> list[float]:
+    return curve(torch.tensor(n)).tolist()
+
+
+def test_step_function_up_to_the_capture_limit_then_linear() -> None:
+    curve = CostCurve(sizes=[1, 2, 4, 8, 16, 24, 48], ms=[1.0, 1.0, 2.0, 3.0, 5.0, 6.0, 9.0], capture_limit=16)
+    assert _at(curve, 1, 3, 4, 5, 8, 9, 16) == [1.0, 2.0, 2.0, 3.0, 3.0, 5.0, 5.0]  # padded to the next size
+    assert _at(curve, 20, 24, 36) == [5.5, 6.0, 7.5]  # interpolated above the limit
+    assert _at(curve, 96) == [15.0]  # extrapolated past the last point with the last slope
+
+
+def test_noisy_profiles_are_forced_monotone() -> None:
+    curve = CostCurve(sizes=[1, 8, 16, 32, 64], ms=[3.0, 2.5, 4.0, 3.5, 6.0], capture_limit=8)
+    n = torch.arange(1, 200)
+    out = curve(n)
+    assert (out[1:] >= out[:-1]).all()
+    assert _at(curve, 1) == [3.0] and _at(curve, 8) == [3.0] and _at(curve, 32) == [4.0]
+
+
+def test_without_a_capture_limit_and_with_one_point() -> None:
+    curve = CostCurve(sizes=[4, 8], ms=[2.0, 4.0])
+    assert _at(curve, 1, 6, 16) == [2.0, 3.0, 8.0]  # never cheaper than the first profiled size
+    assert _at(CostCurve(sizes=[10], ms=[5.0]), 5, 20) == [5.0, 10.0]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "ms", "limit", "problem"),
+    [
+        ([], [], 0, "one time per size"),
+        ([1, 2], [1.0], 0, "one time per size"),
+        ([2, 2], [1.0, 1.0], 0, "strictly increasing"),
+        ([0, 2], [1.0, 1.0], 0, "positive"),
+        ([1, 2, 4], [1.0, 1.0, 1.0], 3, "must be a profiled size"),
+    ],
+)
+def test_bad_curves(sizes: list[int], ms: list[float], limit: int, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        CostCurve(sizes, ms, limit)
+
+
+def test_json_round_trip_is_keyed(tmp_path: Path) -> None:
+    key = {"model": "m", "device": "cpu", "dtype": "float32", "k": 7, "grid": [1, 2, 4]}
+    model = CostModel(CostCurve([1, 2, 4], [1.0, 2.0, 3.0], 4), CostCurve([1, 8], [0.5, 1.5]), key)
+    path = tmp_path / "cost.json"
+    model.save(path)
+    loaded = CostModel.load(path, key)
+    assert loaded is not None
+    n = torch.arange(1, 20)
+    assert torch.equal(loaded.verify_ms(n), model.verify_ms(n))
+    assert loaded.draft_ms(5) == model.draft_ms(5) and model.draft_ms(0) == 0.0
+    assert CostModel.load(path, {**key, "k": 5}) is None  # profiled for another K: stale
+    path.write_text("{not json")
+    assert CostModel.load(path, key) is None
+    assert CostModel.load(tmp_path / "missing.json", key) is None
