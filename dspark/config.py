@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this mean argmax (engine-wide)
+MAX_SPECULATIVE_TOKENS = 32
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -58,6 +59,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs of each sampled token (the sampled one always included)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    max_speculative_tokens: int | None = None  # cap on this request's drafts per step; 0 opts out; None: the engine's
 
     def __post_init__(self) -> None:
         _check_float("temperature", self.temperature, 0.0, 1e6)
@@ -74,6 +76,8 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, 1e6, low_open=True)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.max_speculative_tokens is not None:
+            _check_int("max_speculative_tokens", self.max_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
@@ -100,7 +104,6 @@ class SamplingParams:
 
 SPEC_METHODS = ("dspark", "ngram")
 DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
-MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass

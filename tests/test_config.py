@@ -51,6 +51,8 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str, object]] = [
     ({"stop_token_ids": [-1]}, "stop_token_ids", -1),
     ({"stop_token_ids": [2, "3"]}, "stop_token_ids", "3"),
     ({"stop_token_ids": [True]}, "stop_token_ids", True),
+    ({"max_speculative_tokens": -1}, "max_speculative_tokens", -1),
+    ({"max_speculative_tokens": 33}, "max_speculative_tokens", 33),
 ]
 
 BAD_ENGINE: list[tuple[dict[str, Any], str, object]] = [

@@ -255,7 +255,11 @@ class LLMEngine:
             else:
                 req.first_token_time = req.first_token_time or now
                 outputs.append(self._process(req, sampled, now))
-                if not req.status.finished and self.spec is not None:
+                if (
+                    not req.status.finished
+                    and self.spec is not None
+                    and req.sampling_params.max_speculative_tokens != 0
+                ):
                     drafting.append(req)
         if drafting:
             self._draft(drafting)
@@ -269,6 +273,8 @@ class LLMEngine:
             room = self.max_model_len - req.num_tokens - 1  # verified tokens plus the bonus must fit
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            if p.max_speculative_tokens is not None:
+                room = min(room, p.max_speculative_tokens)
             n = max(0, min(len(proposal.token_ids[i]), room))
             req.spec_token_ids = proposal.token_ids[i][:n]
             req.spec_confidences = proposal.confidences[i][:n] if proposal.confidences is not None else None

@@ -207,3 +207,18 @@ def test_prefix_cache_covers_generated_text_under_speculation(tiny_model_dirs: d
     follow = llm.generate([[*history, 11, 12]], SamplingParams(temperature=0.0, max_tokens=1))[0]
     # Every block of the first request's computed tokens (all but its last token) is found again.
     assert follow.metrics.num_cached_tokens == (len(history) - 1) // 4 * 4
+
+
+def test_per_request_cap_on_drafts(tiny_model_dirs: dict[str, Path], drafters: dict[str, Path]) -> None:
+    """SamplingParams.max_speculative_tokens caps one request's drafts per step; 0 opts it out of speculation."""
+    spec = {"method": "dspark", "model": str(drafters["llama"]), "num_speculative_tokens": 4}
+    llm = _llm(str(tiny_model_dirs["llama"]), spec)
+    prompt = ([5, 6, 7, 8, 9, 10] * 8)[:45]
+    caps = [None, 2, 0]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, max_speculative_tokens=c) for c in caps]
+    outs = llm.generate([prompt] * 3, params)
+    assert _tokens(outs)[0] == _tokens(outs)[1] == _tokens(outs)[2]
+    full, capped, opted_out = (o.metrics for o in outs)
+    assert full.spec_num_draft_tokens > 2 * full.spec_num_drafts  # uncapped: more than 2 drafts a step on average
+    assert 0 < capped.spec_num_draft_tokens <= 2 * capped.spec_num_drafts
+    assert opted_out.spec_num_drafts == opted_out.spec_num_draft_tokens == 0
