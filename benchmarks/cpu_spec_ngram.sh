@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-../shared/data/deepspec_eval}
-for set in gsm8k mt-bench; do
+for set in ${SETS:-gsm8k mt-bench}; do
   .venv/bin/dspark bench spec --dataset-path "$DATA/$set.jsonl" --num-prompts 12 --output-len 128 \
     --batch-size 1 --batch-size 8 --dtype float32 --repeats 2 \
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' \
