@@ -1,0 +1,1 @@
+"""Drafter training and calibration."""
