@@ -308,15 +308,29 @@ def cmd_chat(args: argparse.Namespace) -> int:
 # ---- bench throughput ---------------------------------------------------------------------------------------------
 
 
+def output_path(value: str | None) -> Path | None:
+    """--output-json, checked before a long run rather than after it."""
+    output = Path(value) if value else None
+    if output is not None and not output.parent.is_dir():
+        raise ConfigError("output_json", str(output), f"its directory {output.parent} does not exist")
+    return output
+
+
+def write_json(output: Path | None, result: dict[str, Any]) -> None:
+    if output is not None:
+        try:
+            output.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            raise ConfigError("output_json", str(output), f"cannot be written ({e})") from None
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from dspark.bench.throughput import run_throughput, summary_line
 
     if args.batch_size < 1:
         raise ConfigError("batch_size", args.batch_size, "must be a positive integer")
     config = engine_config(args, max_num_seqs=args.batch_size)
-    output = Path(args.output_json) if args.output_json else None
-    if output is not None and not output.parent.is_dir():
-        raise ConfigError("output_json", str(output), f"its directory {output.parent} does not exist")
+    output = output_path(args.output_json)
     result = run_throughput(
         config,
         num_prompts=args.num_prompts,
@@ -327,11 +341,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         command=args.command_line,
     )
-    if output is not None:
-        try:
-            output.write_text(json.dumps(result, indent=2) + "\n")
-        except OSError as e:
-            raise ConfigError("output_json", str(output), f"cannot be written ({e})") from None
+    write_json(output, result)
     print(summary_line(result))
     return 0
 
@@ -341,9 +351,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
 
     batch_sizes = args.batch_size or [1, 8]
     config = engine_config(args, max_num_seqs=max(b for b in batch_sizes if isinstance(b, int)))
-    output = Path(args.output_json) if args.output_json else None
-    if output is not None and not output.parent.is_dir():
-        raise ConfigError("output_json", str(output), f"its directory {output.parent} does not exist")
+    output = output_path(args.output_json)
     result = run_spec_bench(
         config,
         batch_sizes=batch_sizes,
@@ -355,11 +363,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         command=args.command_line,
     )
-    if output is not None:
-        try:
-            output.write_text(json.dumps(result, indent=2) + "\n")
-        except OSError as e:
-            raise ConfigError("output_json", str(output), f"cannot be written ({e})") from None
+    write_json(output, result)
     print(summary_table(result))
     return 0
 

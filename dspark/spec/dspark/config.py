@@ -17,6 +17,17 @@ from dspark.models.config import ModelConfig
 
 ARCHITECTURE = "DSparkDraftModel"
 NESTED_KEYS = ("dspark_config", "dflash_config")
+# The drafter's own keys (the rest of config.json describes its Qwen3-style layers); DeepSpec also spells
+# confidence_head as enable_confidence_head.
+OWN_KEYS = (
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "markov_rank",
+    "confidence_head",
+    "sts_temperatures",
+    "num_target_layers",
+)
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -149,18 +160,7 @@ class DSparkConfig:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        own = {
-            k: d.pop(k)
-            for k in (
-                "block_size",
-                "target_layer_ids",
-                "mask_token_id",
-                "markov_rank",
-                "confidence_head",
-                "sts_temperatures",
-                "num_target_layers",
-            )
-        }
+        own = {k: d.pop(k) for k in OWN_KEYS}
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
@@ -190,22 +190,7 @@ class DSparkConfig:
         for key in NESTED_KEYS:
             if isinstance(raw.get(key), dict):
                 own.update(raw[key])
-        own.update(
-            {
-                k: raw[k]
-                for k in (
-                    "enable_confidence_head",
-                    "block_size",
-                    "target_layer_ids",
-                    "mask_token_id",
-                    "markov_rank",
-                    "confidence_head",
-                    "sts_temperatures",
-                    "num_target_layers",
-                )
-                if k in raw
-            }
-        )
+        own.update({k: raw[k] for k in (*OWN_KEYS, "enable_confidence_head") if k in raw})
 
         def need(key: str, where: dict[str, Any] = raw) -> Any:
             if where.get(key) is None:
