@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -39,3 +41,30 @@ def make_hf_model(family: str, seed: int = 0, **overrides: object) -> torch.nn.M
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
     return model
+
+
+class SchedulerHarness:
+    """Base of the model-free scheduler harnesses: subclasses set `sched` and `kv` and implement `step`."""
+
+    sched: Any
+    kv: Any
+
+    def step(self) -> Any:
+        raise NotImplementedError
+
+    def check_blocks(self) -> None:
+        """Every block's reference count is exactly the number of running requests holding it."""
+        expected = [0] * self.kv.num_blocks
+        for r in self.sched.running:
+            for b in r.block_ids:
+                expected[b] += 1
+        for r in self.sched.waiting:
+            assert r.block_ids == [] and r.num_computed_tokens == 0
+        assert self.kv.ref_count == expected
+
+    def run(self, max_steps: int = 1000) -> list[Any]:
+        outs = []
+        while self.sched.has_unfinished():
+            outs.append(self.step())
+            assert len(outs) < max_steps, "no progress"
+        return outs

@@ -7,6 +7,7 @@ from dspark.config import SamplingParams
 from dspark.engine.kv_cache import KVCacheManager
 from dspark.engine.request import Request, RequestStatus
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
+from helpers import SchedulerHarness
 
 BS = 4
 
@@ -20,7 +21,7 @@ def fake_token(req: Request) -> int:
     return 10_000 + 100 * int(req.request_id[1:]) + req.num_output_tokens
 
 
-class Harness:
+class Harness(SchedulerHarness):
     def __init__(self, num_blocks: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 64) -> None:
         self.kv = KVCacheManager(num_blocks, BS)
         self.sched = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
@@ -60,22 +61,6 @@ class Harness:
                     self.finished.append(req)
         self.check_blocks()
         return out
-
-    def check_blocks(self) -> None:
-        expected = [0] * self.kv.num_blocks
-        for r in self.sched.running:
-            for b in r.block_ids:
-                expected[b] += 1
-        for r in self.sched.waiting:
-            assert r.block_ids == [] and r.num_computed_tokens == 0
-        assert self.kv.ref_count == expected
-
-    def run(self, max_steps: int = 500) -> list[SchedulerOutput]:
-        outs = []
-        while self.sched.has_unfinished():
-            outs.append(self.step())
-            assert len(outs) < max_steps, "no progress"
-        return outs
 
 
 def expected_output(req: Request) -> list[int]:

@@ -9,6 +9,7 @@ from dspark.config import SamplingParams
 from dspark.engine.kv_cache import KVCacheManager
 from dspark.engine.request import Request, RequestStatus
 from dspark.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from helpers import SchedulerHarness
 
 BS = 4
 K = 3  # drafts per request and step, and the drafter's lookahead slots
@@ -206,7 +207,7 @@ def draft_is_right(req: Request, index: int) -> bool:
     return (int(req.request_id[1:]) * 7 + index * 5) % 3 != 0
 
 
-class SpecHarness:
+class SpecHarness(SchedulerHarness):
     """Plays the engine: verifies drafts (accept while right, then emit the true token), advances
     num_computed_tokens by what was kept, and drafts K tokens for every request that sampled."""
 
@@ -246,14 +247,18 @@ class SpecHarness:
             self.num_accepted += accepted
             req.num_computed_tokens += s.num_new_tokens - (len(s.spec_token_ids) - accepted)
             req.spec_token_ids, req.spec_confidences = [], None
-            self.kv.cache_computed_blocks(req)
             if not samples:
+                self.kv.cache_computed_blocks(req)
                 continue
+            finished = False
             for _ in range(accepted + 1):
                 req.all_token_ids.append(true_token(req, req.num_output_tokens))
                 if req.num_output_tokens >= req.sampling_params.max_tokens:
-                    sched.finish(req, RequestStatus.FINISHED_LENGTH)
+                    finished = True
                     break
+            self.kv.cache_computed_blocks(req)  # as the engine: after the kept tokens are appended
+            if finished:
+                sched.finish(req, RequestStatus.FINISHED_LENGTH)
             assert req.status.finished or req.num_computed_tokens == req.num_tokens - 1
             if not req.status.finished:
                 room = req.sampling_params.max_tokens - req.num_output_tokens - 1
@@ -263,22 +268,6 @@ class SpecHarness:
                 req.spec_token_ids, req.spec_confidences = drafts, [0.5] * len(drafts)
         self.check_blocks()
         return out
-
-    def check_blocks(self) -> None:
-        expected = [0] * self.kv.num_blocks
-        for r in self.sched.running:
-            for b in r.block_ids:
-                expected[b] += 1
-        for r in self.sched.waiting:
-            assert r.block_ids == [] and r.num_computed_tokens == 0
-        assert self.kv.ref_count == expected
-
-    def run(self, max_steps: int = 1000) -> list[SchedulerOutput]:
-        outs = []
-        while self.sched.has_unfinished():
-            outs.append(self.step())
-            assert len(outs) < max_steps, "no progress"
-        return outs
 
 
 def test_workload_with_drafts_cuts_and_preemptions_returns_every_block() -> None:

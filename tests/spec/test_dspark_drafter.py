@@ -443,20 +443,12 @@ def test_save_load_round_trip(
 
 def _dflash_config(cfg: DSparkConfig, **extra: Any) -> dict[str, Any]:
     """A config.json as DFlash / DeepSpec write it: the drafter's own keys under "dflash_config", no markov_rank."""
+    raw = cfg.to_json()
+    raw.pop("dspark_config")
+    raw.pop("num_target_layers")
     return {
+        **raw,
         "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "block_size": cfg.block_size,
         "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id},
         **extra,
     }

@@ -62,6 +62,10 @@ def sample_block(
     tokens, probs, conf = [], [], []
     temps = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=h.device)
     greedy = torch.tensor([r.greedy for r in rows], device=h.device)
+    if sample:  # every draw of the block at once, before the loop: [R, k]
+        u_all = torch.tensor(
+            [[uniform(r.seed, r.first_counter + j, DRAFT_STREAM) for j in range(k)] for r in rows], dtype=torch.float64
+        ).to(h.device)
     for j in range(k):
         if head is not None:
             e, correction = head(prev)
@@ -74,8 +78,7 @@ def sample_block(
         if sample:
             q = torch.softmax(logits[:num_reqs] / temps[:, None], dim=-1)
             q[greedy] = torch.nn.functional.one_hot(top[greedy], q.shape[-1]).to(q.dtype)
-            u = torch.tensor([uniform(r.seed, r.first_counter + j, DRAFT_STREAM) for r in rows], dtype=torch.float64)
-            x = torch.where(greedy, top, inverse_cdf_rows(q, u.to(q.device)))
+            x = torch.where(greedy, top, inverse_cdf_rows(q, u_all[:, j]))
             probs.append(q)
         else:
             x = top
