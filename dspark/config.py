@@ -104,6 +104,7 @@ class SamplingParams:
 
 SPEC_METHODS = ("dspark", "ngram")
 DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
+ADAPTIVE_MODES = ("async", "sync")
 
 
 @dataclass
@@ -115,6 +116,12 @@ class SpeculativeConfig:
     draft_sample_method: "probabilistic" drafts by sampling the drafter's distribution and verifies by rejection
     sampling; "greedy" drafts its argmax and verifies strictly (the same tokens as without speculation for a seed).
     prompt_lookup_min / prompt_lookup_max: n-gram lengths the "ngram" method matches.
+    enable_adaptive_verification: confidence-scheduled verification (DESIGN.md section 4): each step verifies the
+    drafts that buy the most tokens per millisecond, up to num_speculative_tokens per request; false: every draft.
+    adaptive_verification_mode: "async" (the budget from survivals one or two steps old, the drafts from live ones:
+    the step never waits) or "sync" (the paper's Algorithm 1 on live survivals, with its early stop). Both lossless.
+    adaptive_verification_ema_alpha: per-request, per-position smoothing of confidences (0 disables it).
+    trace_path: record every step's confidences and outcomes to this JSONL file (for `dspark simulate`).
     """
 
     method: str
@@ -123,7 +130,10 @@ class SpeculativeConfig:
     draft_sample_method: str = "probabilistic"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    enable_adaptive_verification: bool = False
+    enable_adaptive_verification: bool = True
+    adaptive_verification_mode: str = "async"
+    adaptive_verification_ema_alpha: float = 0.8
+    trace_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -148,12 +158,17 @@ class SpeculativeConfig:
             raise ConfigError(
                 "speculative_config.enable_adaptive_verification", self.enable_adaptive_verification, "true or false"
             )
-        if self.enable_adaptive_verification:
+        if self.adaptive_verification_mode not in ADAPTIVE_MODES:
             raise ConfigError(
-                "speculative_config.enable_adaptive_verification",
-                True,
-                "adaptive verification is not built yet (issue 4); leave it false for fixed-k speculation",
+                "speculative_config.adaptive_verification_mode",
+                self.adaptive_verification_mode,
+                f"one of {', '.join(ADAPTIVE_MODES)}",
             )
+        _check_float(
+            "speculative_config.adaptive_verification_ema_alpha", self.adaptive_verification_ema_alpha, 0.0, 0.999
+        )
+        if self.trace_path is not None and (not isinstance(self.trace_path, str) or not self.trace_path):
+            raise ConfigError("speculative_config.trace_path", self.trace_path, "a file path for the JSONL trace")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:

@@ -9,6 +9,7 @@ from dspark.config import EngineConfig, SamplingParams
 from dspark.engine.engine import LLMEngine
 from dspark.errors import ConfigError
 from dspark.outputs import RequestOutput
+from dspark.spec.cost_model import CostModel
 
 Message = dict[str, str]
 
@@ -26,8 +27,11 @@ class LLM:
         enforce_eager: bool = False,
         seed: int = 0,
         speculative_config: dict[str, Any] | None = None,
+        cost_model: CostModel | None = None,
         **kwargs: Any,
     ) -> None:
+        """Arguments as vLLM's LLM (the rest go to EngineConfig). cost_model: the step-cost curves adaptive verification
+        plans with (spec/cost_model.py); None: profiled at start-up, or loaded from the cache."""
         config = EngineConfig(
             model=model,
             tokenizer=tokenizer,
@@ -41,7 +45,7 @@ class LLM:
             speculative_config=speculative_config,
             **kwargs,
         )
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, cost_model)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

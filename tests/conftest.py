@@ -9,6 +9,14 @@ import pytest
 from helpers import FAMILIES, make_hf_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cost_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Step-cost profiles of the session's throwaway models go to a temporary directory, not the user's cache."""
+    import os
+
+    os.environ["DSPARK_COST_MODELS"] = str(tmp_path_factory.mktemp("cost-models"))
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from dspark.models.registry import resolve_model

@@ -105,10 +105,21 @@ BAD_ENGINE: list[tuple[dict[str, Any], str, object]] = [
         2,
     ),
     (
-        {"speculative_config": {"method": "ngram", "enable_adaptive_verification": True}},
+        {"speculative_config": {"method": "ngram", "enable_adaptive_verification": "yes"}},
         "speculative_config.enable_adaptive_verification",
-        True,
+        "yes",
     ),
+    (
+        {"speculative_config": {"method": "ngram", "adaptive_verification_mode": "lazy"}},
+        "speculative_config.adaptive_verification_mode",
+        "lazy",
+    ),
+    (
+        {"speculative_config": {"method": "ngram", "adaptive_verification_ema_alpha": 1.0}},
+        "speculative_config.adaptive_verification_ema_alpha",
+        1.0,
+    ),
+    ({"speculative_config": {"method": "ngram", "trace_path": ""}}, "speculative_config.trace_path", ""),
 ]
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,11 +20,17 @@ from dspark.errors import ConfigError, DSparkError
 from dspark.models.loader import load_model
 from dspark.models.registry import resolve_model
 from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dspark.spec.cost_model import CostModel
 from dspark.spec.drafter import make_drafter
 from dspark.spec.dspark.model import DSparkModel
+from dspark.spec.planner import VerificationPlanner
+from dspark.spec.trace import TraceWriter
 from dspark.tokenizer import load_tokenizer
 from dspark.worker.model_runner import ModelRunner, kv_bytes_per_block
+from dspark.worker.profiler import load_or_profile
 from dspark.worker.sampler import SampledRow
+
+logger = logging.getLogger("dspark")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,7 +68,9 @@ def _cpu_has_bf16() -> bool:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, cost_model: CostModel | None = None) -> None:
+        """cost_model: the step-cost curves adaptive verification plans with; None: profiled at start-up (or loaded
+        from the cache, where this model, drafter, device and grid were profiled before)."""
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
@@ -106,6 +116,12 @@ class LLMEngine:
             )
         verify_method = self.spec.verify_method if self.spec is not None else "strict"
         self.runner = ModelRunner(config, self.model, self.device, self.dtype, num_blocks, drafter, verify_method)
+        self.planner = self._make_planner(cost_model) if self.spec is not None else None
+        self.trace = (
+            TraceWriter(Path(self.spec.trace_path), self._trace_header())
+            if self.spec and self.spec.trace_path
+            else None
+        )
         self.eos_token_id = (
             self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else mcfg.eos_token_id
         )
@@ -136,6 +152,42 @@ class LLMEngine:
                 "or use the 'ngram' method",
             )
         return load_drafter(resolve_model(self.spec.model), self.model_config, self.dtype, self.device)
+
+    def _make_planner(self, cost_model: CostModel | None) -> VerificationPlanner:
+        assert self.spec is not None
+        mode = self.spec.adaptive_verification_mode if self.spec.enable_adaptive_verification else "fixed"
+        if mode != "fixed" and cost_model is None:
+            identity = {
+                "model": str(resolve_model(self.config.model)),
+                "drafter": self.spec.method + (f":{self.spec.model}" if self.spec.model else ""),
+                "verify": self.runner.verify_method,
+                "dtype": str(self.dtype),
+                "max_model_len": self.max_model_len,
+            }
+            cost_model = load_or_profile(
+                self.runner,
+                self.num_spec_tokens,
+                self.config.max_num_seqs,
+                self.config.max_num_batched_tokens,
+                identity,
+                log=lambda msg: logger.info(msg),
+            )
+        strata = getattr(self.runner.drafter, "num_strata", 1)
+        return VerificationPlanner(
+            self.num_spec_tokens, mode, self.spec.adaptive_verification_ema_alpha, cost_model, self.device, strata
+        )
+
+    def _trace_header(self) -> dict[str, Any]:
+        assert self.spec is not None and self.planner is not None
+        return {
+            "K": self.num_spec_tokens,
+            "method": self.spec.method,
+            "drafter": self.spec.model,
+            "model": self.config.model,
+            "device": str(self.device),
+            "dtype": str(self.dtype),
+            "mode": self.planner.mode,
+        }
 
     def _num_spec_tokens(self) -> int:
         if self.spec is None:
@@ -228,6 +280,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for rid in sched.preempted:  # their drafts were dropped; so go the distributions they were drawn from
             self.runner.release(rid)
+            if self.planner is not None:
+                self.planner.drop_drafts(rid)
         if not sched.scheduled:
             if self.scheduler.has_unfinished():
                 raise DSparkError("scheduler made no progress: the KV cache cannot hold even one request")
@@ -235,18 +289,29 @@ class LLMEngine:
         now = time.monotonic()
         for s in sched.scheduled:
             s.request.first_scheduled_time = s.request.first_scheduled_time or now
+        num_held = {s.request.request_id: len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids}
+        if self.planner is not None:
+            self.planner.plan(sched)  # adaptive verification: cut each request's drafts to those worth verifying
+            self.planner.step_started()
         result = self.runner.execute(sched)
         self.stats["num_steps"] += 1
         now = time.monotonic()
         outputs = []
         drafting: list[Request] = []
+        records = []
         for s in sched.scheduled:
             req = s.request
             num_rejected = 0
             if s.spec_token_ids:
                 num_rejected = len(s.spec_token_ids) - result.num_accepted[req.request_id]
                 self._count_spec(req, len(s.spec_token_ids), result.num_accepted[req.request_id])
-            req.spec_token_ids, req.spec_confidences = [], None
+            if req.request_id in num_held and self.planner is not None:
+                record = self.planner.record(
+                    req.request_id, len(s.spec_token_ids), result.num_accepted.get(req.request_id, 0)
+                )
+                if record is not None:
+                    records.append(record)
+            req.spec_token_ids = []
             # Rejected drafts' KV stays where it is, past num_computed_tokens, to be overwritten later.
             req.num_computed_tokens += s.num_new_tokens - num_rejected
             sampled = result.sampled.get(req.request_id)
@@ -263,6 +328,12 @@ class LLMEngine:
                     drafting.append(req)
         if drafting:
             self._draft(drafting)
+        if self.planner is not None:
+            self.planner.step_finished()
+        if self.trace is not None and records:
+            self.trace.step(
+                self.stats["num_steps"], sched.num_tokens - sum(r["num_verified"] for r in records), records
+            )
         return outputs
 
     def _draft(self, requests: list[Request]) -> None:
@@ -277,7 +348,13 @@ class LLMEngine:
                 room = min(room, p.max_speculative_tokens)
             n = max(0, min(len(proposal.token_ids[i]), room))
             req.spec_token_ids = proposal.token_ids[i][:n]
-            req.spec_confidences = proposal.confidences[i][:n] if proposal.confidences is not None else None
+        if self.planner is not None:
+            self.planner.observe(
+                [r.request_id for r in requests],
+                [len(r.spec_token_ids) for r in requests],
+                proposal.confidences,
+                proposal.strata,
+            )
 
     def _count_spec(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """vLLM's counting: a draft is one request's proposal verified in one step."""
@@ -358,6 +435,8 @@ class LLMEngine:
     def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         self.scheduler.finish(req, status)
         self.runner.release(req.request_id)
+        if self.planner is not None:
+            self.planner.release(req.request_id)
         req.finished_time = now or time.monotonic()
         if status is not RequestStatus.FINISHED_ABORTED:
             self.stats["num_requests_finished"] += 1
@@ -415,4 +494,5 @@ class LLMEngine:
                 if self.stats["spec_decode_num_drafts"]
                 else None
             ),
+            **(self.planner.metrics() if self.planner is not None else {}),
         }

@@ -53,7 +53,6 @@ class Request:
     finished_time: float | None = None
     # Speculative decoding: drafts proposed after the last step, to be verified next (dropped on preemption).
     spec_token_ids: list[int] = field(default_factory=list)
-    spec_confidences: list[float] | None = None
     spec_num_drafts: int = 0  # steps that verified at least one of its drafts
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

@@ -108,7 +108,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free_request(req)
         req.num_computed_tokens = 0
-        req.spec_token_ids, req.spec_confidences = [], None  # drafted for a context it will recompute
+        req.spec_token_ids = []  # drafted for a context it will recompute
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

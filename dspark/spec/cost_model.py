@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -67,11 +67,50 @@ class CostModel:
     draft: CostCurve  # by the number of drafting requests
     key: dict[str, Any] = field(default_factory=dict)  # model, device, dtype, K, capture grid: when it may be reused
 
+    @classmethod
+    def from_points(
+        cls,
+        verify_ms: dict[int, float],
+        draft_ms: dict[int, float],
+        capture_limit: int = 0,
+        key: dict[str, Any] | None = None,
+    ) -> CostModel:
+        """Curves from profiled points; each curve's step part ends at its largest size within capture_limit."""
+
+        def curve(points: dict[int, float]) -> CostCurve:
+            sizes = sorted(points)
+            limit = max((s for s in sizes if s <= capture_limit), default=0)
+            return CostCurve(sizes, [float(points[s]) for s in sizes], limit)
+
+        return cls(curve(verify_ms), curve(draft_ms), dict(key or {}))
+
     def verify_ms(self, num_tokens: torch.Tensor, context_tokens: int | None = None) -> torch.Tensor:
         return self.verify(num_tokens, context_tokens)
 
     def draft_ms(self, num_reqs: int) -> float:
-        return float(self.draft(torch.tensor([max(num_reqs, 1)]))[0]) if num_reqs else 0.0
+        return float(self.draft(torch.tensor([num_reqs]))[0]) if num_reqs > 0 else 0.0
+
+    @overload
+    def step_ms(self, num_requests: int, num_tokens: int, context_tokens: int | None = None) -> float: ...
+    @overload
+    def step_ms(
+        self, num_requests: int, num_tokens: torch.Tensor, context_tokens: int | None = None
+    ) -> torch.Tensor: ...
+    def step_ms(
+        self, num_requests: int, num_tokens: int | torch.Tensor, context_tokens: int | None = None
+    ) -> float | torch.Tensor:
+        """Predicted milliseconds of a step: drafting for num_requests plus a target pass over num_tokens (an int,
+        or a tensor of candidate token counts for a vector of predictions)."""
+        if isinstance(num_tokens, torch.Tensor):
+            return self.draft_ms(num_requests) + self.verify_ms(num_tokens.cpu(), context_tokens)
+        return self.draft_ms(num_requests) + float(self.verify_ms(torch.tensor([num_tokens]), context_tokens)[0])
+
+    def table(self) -> list[dict[str, float]]:
+        """The profiled points, for printing: one row per size with the verify and draft times where profiled."""
+        sizes = sorted(set(self.verify.sizes) | set(self.draft.sizes))
+        v = dict(zip(self.verify.sizes, self.verify.ms, strict=True))
+        d = dict(zip(self.draft.sizes, self.draft.ms, strict=True))
+        return [{"size": s, "verify_ms": v.get(s, float("nan")), "draft_ms": d.get(s, float("nan"))} for s in sizes]
 
     def save(self, path: Path) -> None:
         data = {
@@ -79,15 +118,17 @@ class CostModel:
             "verify": {k: v for k, v in asdict(self.verify).items() if k != "monotone_ms"},
             "draft": {k: v for k, v in asdict(self.draft).items() if k != "monotone_ms"},
         }
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: Path, key: dict[str, Any]) -> CostModel | None:
-        """The saved model when it was profiled for exactly this key; None when absent, stale or unreadable."""
+    def load(cls, path: Path, key: dict[str, Any] | None = None) -> CostModel | None:
+        """The saved model when it was profiled for exactly this key (any key when None); None when absent, stale or
+        unreadable."""
         try:
             data = json.loads(path.read_text())
-            if data.get("key") != key:
+            if key is not None and data.get("key") != key:
                 return None
-            return cls(CostCurve(**data["verify"]), CostCurve(**data["draft"]), key)
+            return cls(CostCurve(**data["verify"]), CostCurve(**data["draft"]), data.get("key", {}))
         except (OSError, ValueError, TypeError, KeyError):
             return None

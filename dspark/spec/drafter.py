@@ -29,7 +29,12 @@ class Proposal:
     # [num_reqs, max_num_tokens, vocab] fp32: the distribution each draft was sampled from; None for drafters
     # without one (their drafts are verified strictly).
     probs: torch.Tensor | None = None
-    confidences: list[list[float]] | None = None  # per request and draft, in [0, 1]
+    # [num_reqs, max_num_tokens] calibrated confidences in [0, 1] (on the device): the chance each draft survives given
+    # that the drafts before it did; None for drafters without a confidence head.
+    confidences: torch.Tensor | None = None
+    # Drafters without confidences may sort requests into strata (n-gram: the match length) whose acceptance the
+    # engine learns online; None: one stratum.
+    strata: list[int] | None = None
 
 
 class Drafter(Protocol):

@@ -28,21 +28,25 @@ class NgramDrafter:
 
     def propose(self, tokens: Sequence[int], num_tokens: int) -> list[int]:
         """Up to num_tokens drafts continuing `tokens` (prompt + output so far); [] when nothing matches."""
+        return self.match(tokens, num_tokens)[0]
+
+    def match(self, tokens: Sequence[int], num_tokens: int) -> tuple[list[int], int]:
+        """The drafts and the length n of the n-gram they continue (0: no match)."""
         length = len(tokens)
         if num_tokens <= 0:
-            return []
+            return [], 0
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             tail = list(tokens[length - n :])
             # The occurrence must end before the tail starts, so at least one token follows it.
             for start in range(length - n - 1, -1, -1):
                 if tokens[start] == tail[0] and list(tokens[start : start + n]) == tail:
                     follow = start + n
-                    return list(tokens[follow : min(follow + num_tokens, length)])
-        return []
+                    return list(tokens[follow : min(follow + num_tokens, length)]), n
+        return [], 0
 
 
 class NgramProposer:
-    """The Drafter interface over NgramDrafter: host-only, no distribution, no confidence, no state to roll back."""
+    """The Drafter interface over NgramDrafter: host-only, no distribution, no confidence head, nothing to roll back."""
 
     method = "ngram"
     num_lookahead_tokens = 0
@@ -56,4 +60,12 @@ class NgramProposer:
         pass  # its context is the request's own tokens
 
     def propose(self, requests: list[Request]) -> Proposal:
-        return Proposal([self.ngram.propose(r.all_token_ids, self.max_num_tokens) for r in requests])
+        """Drafts, with the match length as each request's stratum: longer matches are continued more reliably,
+        which the engine's online acceptance rates per stratum and position learn (the confidences of a drafter
+        without a head)."""
+        matches = [self.ngram.match(r.all_token_ids, self.max_num_tokens) for r in requests]
+        return Proposal([m[0] for m in matches], strata=[m[1] for m in matches])
+
+    @property
+    def num_strata(self) -> int:
+        return self.ngram.max_n + 1

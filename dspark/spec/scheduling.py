@@ -2,25 +2,23 @@
 
 - survival a_rj = prod_{i<=j} c_ri: the chance that request r's draft j survives, from calibrated confidences; never
   increasing along j. Verifying l_r drafts yields 1 + sum_{j<=l_r} a_rj tokens in expectation (the bonus always
-  counts).
+  counts). A slot that holds no draft has survival 0.
 - choose_budget (host, on stale survivals): B* = argmax over B of (N_sampling + sum of the B largest survivals) /
   (draft_ms(R) + verify_ms(T + B)), a global argmax over every B (the cost curve is jagged: no early stop).
 - allocate (device, on live survivals): the top-B* slots, ties broken by position then request index (never by
   value), as per-request counts 0..K. Whether a draft is verified then never depends on its own value: its survival
   depends only on the drafts before it, and a slot never ranks above an earlier slot of its own request.
-- choose_budget_sync: the paper's Algorithm 1 on live survivals, greedy with its early stop (lossless only with it).
+- choose_budget_sync: the paper's Algorithm 1 on live survivals, greedy with its early stop (lossless only with it:
+  a global argmax over live survivals would let a later slot's survival, which depends on the draft before it,
+  decide whether that draft is verified).
 - smooth_confidences: the per-request, per-position EMA (alpha = 0 disables it).
-
-This file is the maths only; the engine wires it in with the cost model (spec/cost_model.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-CostFn = Callable[[torch.Tensor], torch.Tensor]  # token counts [n] int64 -> step milliseconds [n] fp64
+from dspark.spec.cost_model import CostModel
 
 
 def survival(confidences: torch.Tensor) -> torch.Tensor:
@@ -35,68 +33,102 @@ def smooth_confidences(previous: torch.Tensor | None, current: torch.Tensor, alp
     return alpha * previous + (1.0 - alpha) * current
 
 
-def valid_slots(survivals: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
-    """Survivals with slots past each request's cap (0..K drafts it may verify) set to 0: [R, K]."""
-    positions = torch.arange(survivals.shape[1], device=survivals.device)
-    return torch.where(positions[None, :] < caps[:, None], survivals, torch.zeros_like(survivals))
+def slot_caps(survivals: torch.Tensor, max_per_request: torch.Tensor | None = None) -> torch.Tensor:
+    """[R] drafts each request may verify: its slots with a draft (survival > 0, a prefix), within its cap."""
+    held = (survivals > 0).sum(dim=1)
+    return held if max_per_request is None else torch.minimum(held, max_per_request.to(held.device, held.dtype))
 
 
 def choose_budget(
-    survivals: torch.Tensor,  # [R, K] host, stale; invalid slots 0 (valid_slots)
-    num_valid: int,  # how many slots are valid (the largest budget that means anything)
-    num_sampling: int,  # requests that emit a token this step whatever B is
-    num_tokens: int,  # T: the step's non-draft tokens
-    num_draft_reqs: int,  # R for the draft cost
-    verify_ms: CostFn,
-    draft_ms: Callable[[int], float],
+    survival: torch.Tensor,  # [R, K] host, stale; 0 where no draft
+    num_sampling: int,  # requests that emit a token this step whatever B is (and draft after it)
+    num_other_tokens: int,  # T: the step's non-draft tokens
+    cost: CostModel,
+    context_tokens: int | None = None,  # passed to the cost model (unused by today's curves)
 ) -> int:
-    """B*: the verification budget with the most expected tokens per millisecond (smallest B on ties)."""
-    top = torch.sort(survivals.flatten().double(), descending=True).values[:num_valid]
+    """B*: the verification budget with the most expected tokens per millisecond (the smallest B on ties)."""
+    values = survival.flatten().double()
+    top = torch.sort(values[values > 0], descending=True).values
     gains = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(top, 0)]) + num_sampling
-    budgets = torch.arange(num_valid + 1, dtype=torch.int64)
-    rate = gains / (draft_ms(num_draft_reqs) + verify_ms(num_tokens + budgets))
+    budgets = torch.arange(top.numel() + 1, dtype=torch.int64)
+    rate = gains / cost.step_ms(num_sampling, num_other_tokens + budgets, context_tokens)
     return int(torch.argmax(rate))  # NOTE: argmax returns the first maximum: the cheapest of equal rates
 
 
 def allocate(
-    survivals: torch.Tensor,  # [R, K] live; invalid slots must already be excluded by caps
-    caps: torch.Tensor,  # [R] int64: drafts each request may verify (0..K)
-    budget: int,
-) -> torch.Tensor:  # [R] int64 counts
+    survival: torch.Tensor,  # [R, K] live; 0 where no draft
+    budget: int | torch.Tensor,  # B* (a host int, or a 0-d int tensor on the survivals' device)
+    max_per_request: torch.Tensor | None = None,  # [R] int caps (0..K)
+) -> torch.Tensor:  # [R] int64 counts, on the survivals' device
     """Per-request draft counts from the top-`budget` valid slots. Ties: lower position first, then lower request.
 
+    On CUDA a Triton kernel (spec/kernels.py) does this without leaving the device; here is its torch twin.
     NOTE: slots are laid out position-major (index j * R + r) and sorted stably by value, so equal values keep that
     order: the tie-break never looks at a value, and a request's chosen slots are always a prefix."""
-    num_reqs, k = survivals.shape
-    positions = torch.arange(k, device=survivals.device)
+    caps = slot_caps(survival, max_per_request)
+    if survival.is_cuda:
+        from dspark.spec.kernels import allocate_triton, triton_available
+
+        if triton_available():
+            return allocate_triton(survival, budget, caps)
+    return allocate_torch(survival, budget, caps)
+
+
+def allocate_torch(survival: torch.Tensor, budget: int | torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
+    num_reqs, k = survival.shape
+    positions = torch.arange(k, device=survival.device)
     valid = positions[None, :] < caps[:, None]  # [R, K]
-    values = torch.where(valid, survivals.float(), torch.full_like(survivals.float(), -1.0))
+    values = torch.where(valid, survival.float(), torch.full_like(survival, -1.0, dtype=torch.float32))
     flat = values.t().reshape(-1)  # position-major
     order = torch.sort(flat, descending=True, stable=True).indices
-    budget = min(budget, int(valid.sum()))
-    chosen = order[:budget]
-    return torch.bincount(chosen % num_reqs, minlength=num_reqs)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    chosen = (rank < torch.as_tensor(budget, device=survival.device)) & valid.t().reshape(-1)
+    return torch.bincount(torch.arange(flat.numel(), device=survival.device)[chosen] % num_reqs, minlength=num_reqs)
 
 
 def choose_budget_sync(
-    survivals: torch.Tensor,  # [R, K] live; invalid slots 0
-    caps: torch.Tensor,  # [R] int64
+    survival: torch.Tensor,  # [R, K] live; 0 where no draft
     num_sampling: int,
-    num_tokens: int,
-    num_draft_reqs: int,
-    verify_ms: CostFn,
-    draft_ms: Callable[[int], float],
+    num_other_tokens: int,
+    cost: CostModel,
+    max_per_request: torch.Tensor | None = None,
+    context_tokens: int | None = None,
 ) -> torch.Tensor:  # [R] int64 counts
     """Algorithm 1: add the best remaining slot while the rate improves; stop at the first slot that does not."""
-    num_valid = int((torch.arange(survivals.shape[1])[None, :] < caps[:, None]).sum())
-    order_values = torch.sort(valid_slots(survivals, caps).flatten().double(), descending=True).values
-    base = draft_ms(num_draft_reqs)
-    gain, budget = float(num_sampling), 0
-    rate = gain / (base + float(verify_ms(torch.tensor([num_tokens]))[0]))
-    for b in range(1, num_valid + 1):
-        next_gain = gain + float(order_values[b - 1])
-        next_rate = next_gain / (base + float(verify_ms(torch.tensor([num_tokens + b]))[0]))
-        if next_rate <= rate:
-            break  # NOTE: the early stop is what keeps the synchronous mode lossless
-        gain, rate, budget = next_gain, next_rate, b
-    return allocate(survivals, caps, budget)
+    caps = slot_caps(survival, max_per_request)
+    valid = torch.arange(survival.shape[1], device=survival.device)[None, :] < caps[:, None]
+    values = torch.sort(survival.double()[valid].cpu(), descending=True).values
+    gains = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(values, 0)]) + num_sampling
+    rates = gains / cost.step_ms(num_sampling, num_other_tokens + torch.arange(values.numel() + 1), context_tokens)
+    worse = (rates[1:] <= rates[:-1]).nonzero()
+    # NOTE: the early stop is what keeps the synchronous mode lossless; the budget is where the rate first stops rising.
+    budget = int(worse[0]) if worse.numel() else values.numel()
+    return allocate(survival, budget, caps)
+
+
+def expected_tokens(survival: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[R] expected tokens each request emits verifying counts[r] drafts: 1 + sum of its first counts[r] survivals."""
+    positions = torch.arange(survival.shape[1], device=survival.device)
+    return 1.0 + torch.where(positions[None, :] < counts[:, None], survival.double(), 0.0).sum(dim=1)
+
+
+def flat_layout(
+    num_plain: torch.Tensor,  # [R] int: tokens each request feeds besides drafts (prompt chunk or last token)
+    counts: torch.Tensor,  # [R] int: drafts each request verifies (allocate)
+    num_computed: torch.Tensor,  # [R] int: tokens already in its KV cache (the first position fed)
+    block_tables: torch.Tensor,  # [R, max_blocks] int
+    block_size: int,
+    num_tokens: int,  # sum(num_plain + counts), known on the host (the budget is), so no read-back
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query offsets [R + 1], positions [num_tokens] and KV slots [num_tokens] of the flattened verify batch, built
+    on the counts' device: request r feeds positions num_computed[r] .. + num_plain[r] + counts[r] - 1."""
+    dev = counts.device
+    lengths = (num_plain + counts).to(torch.int64)
+    query_start = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=dev)
+    query_start[1:] = torch.cumsum(lengths, 0)
+    owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=num_tokens)
+    offset = torch.arange(num_tokens, device=dev) - query_start[owner]
+    positions = num_computed.to(torch.int64)[owner] + offset
+    blocks = block_tables.to(torch.int64)[owner, positions // block_size]
+    return query_start.to(torch.int32), positions, blocks * block_size + positions % block_size

@@ -36,7 +36,6 @@ def decoding(sched: Scheduler, rid: str, prompt_len: int, drafts: list[int]) -> 
     req.num_computed_tokens = prompt_len
     req.all_token_ids.append(7)
     req.spec_token_ids = list(drafts)
-    req.spec_confidences = [0.5] * len(drafts)
     return req
 
 
@@ -168,7 +167,7 @@ def test_lookahead_that_does_not_fit_sheds_drafts_then_preempts() -> None:
     assert out.preempted == ["r1"]
     assert [(s.request, s.num_new_tokens, s.spec_token_ids) for s in out.scheduled] == [(a, 1, [])]
     assert len(a.block_ids) == blocks_for(BS + 1 + K) == 2
-    assert b.spec_token_ids == [] and b.spec_confidences is None
+    assert b.spec_token_ids == []
 
 
 # ---- preemption ----------------------------------------------------------------------------------------------------
@@ -183,7 +182,7 @@ def test_preemption_drops_drafts_and_confidences() -> None:
     out = sched.schedule()
     assert out.preempted == ["r2"]
     assert c.status is RequestStatus.PREEMPTED and c.block_ids == [] and c.num_computed_tokens == 0
-    assert c.spec_token_ids == [] and c.spec_confidences is None
+    assert c.spec_token_ids == []
     assert (a.spec_token_ids, b.spec_token_ids) == ([1, 2, 3], [4, 5, 6])  # the survivors keep theirs
     # Resumed, it recomputes its prompt and sampled token with no drafts.
     for s in out.scheduled:
@@ -224,7 +223,7 @@ class SpecHarness(SchedulerHarness):
         assert out.num_tokens <= sched.max_num_batched_tokens
         for rid in out.preempted:
             victim = next(r for r in sched.waiting if r.request_id == rid)
-            assert victim.spec_token_ids == [] and victim.spec_confidences is None and victim.block_ids == []
+            assert victim.spec_token_ids == [] and victim.block_ids == []
         for s in out.scheduled:
             req = s.request
             num_plain = s.num_new_tokens - len(s.spec_token_ids)
@@ -246,7 +245,7 @@ class SpecHarness(SchedulerHarness):
             self.num_draft_tokens += len(s.spec_token_ids)
             self.num_accepted += accepted
             req.num_computed_tokens += s.num_new_tokens - (len(s.spec_token_ids) - accepted)
-            req.spec_token_ids, req.spec_confidences = [], None
+            req.spec_token_ids = []
             if not samples:
                 self.kv.cache_computed_blocks(req)
                 continue
@@ -265,7 +264,7 @@ class SpecHarness(SchedulerHarness):
                 first = req.num_output_tokens  # output index of the first draft
                 drafts = [true_token(req, i) + (0 if draft_is_right(req, i) else 1) for i in range(first, first + K)]
                 drafts = drafts[: max(0, room)]
-                req.spec_token_ids, req.spec_confidences = drafts, [0.5] * len(drafts)
+                req.spec_token_ids = drafts
         self.check_blocks()
         return out
 

@@ -59,6 +59,8 @@ def _snapshot(engine: LLMEngine, req: Request) -> Snapshot:
 
 
 def _make_llm(model: Path | str, spec: dict[str, Any]) -> LLM:
+    # Fixed k: every draft verified, so rejections (what rollback is about) come for sure.
+    spec = {"enable_adaptive_verification": False, **spec}
     return LLM(
         model=str(model),
         dtype="float32",

@@ -7,21 +7,22 @@ import itertools
 import pytest
 import torch
 
-from dspark.spec.cost_model import CostCurve
+from dspark.spec.cost_model import CostModel
 from dspark.spec.scheduling import (
     allocate,
     choose_budget,
     choose_budget_sync,
+    expected_tokens,
+    flat_layout,
     smooth_confidences,
     survival,
-    valid_slots,
 )
 
 
 def _random_survivals(g: torch.Generator, num_reqs: int, k: int, ties: bool = False) -> torch.Tensor:
-    c = torch.rand(num_reqs, k, generator=g)
+    c = torch.rand(num_reqs, k, generator=g).clamp(min=0.01)  # every slot holds a draft (survival > 0)
     if ties:
-        c = (c * 4).round() / 4  # few distinct values: many exact ties
+        c = (c * 4).ceil() / 4  # few distinct values: many exact ties
     return survival(c)
 
 
@@ -56,7 +57,7 @@ def test_allocate_takes_the_top_slots_with_a_value_free_tie_break(ties: bool) ->
         a = _random_survivals(g, num_reqs, k, ties)
         caps = torch.randint(0, k + 1, (num_reqs,), generator=g)
         budget = int(torch.randint(0, num_reqs * k + 3, (1,), generator=g))
-        counts = allocate(a, caps, budget)
+        counts = allocate(a, budget, caps)
         assert counts.tolist() == _brute_allocate(a, caps, budget)
         assert (counts <= caps).all() and int(counts.sum()) == min(budget, int(caps.sum()))
 
@@ -64,7 +65,7 @@ def test_allocate_takes_the_top_slots_with_a_value_free_tie_break(ties: bool) ->
 def test_ties_go_to_the_lower_position_then_the_lower_request() -> None:
     a = torch.full((3, 3), 0.5)
     caps = torch.tensor([3, 3, 3])
-    assert allocate(a, caps, 4).tolist() == [2, 1, 1]  # (r0,j0) (r1,j0) (r2,j0) (r0,j1)
+    assert allocate(a, 4, caps).tolist() == [2, 1, 1]  # (r0,j0) (r1,j0) (r2,j0) (r0,j1)
 
 
 def test_whether_a_draft_is_verified_does_not_depend_on_its_value() -> None:
@@ -74,63 +75,112 @@ def test_whether_a_draft_is_verified_does_not_depend_on_its_value() -> None:
         a = _random_survivals(g, 4, 5, ties=bool(torch.rand(1, generator=g) < 0.5))
         caps = torch.full((4,), 5)
         budget = int(torch.randint(0, 21, (1,), generator=g))
-        counts = allocate(a, caps, budget)
+        counts = allocate(a, budget, caps)
         r, j = int(torch.randint(0, 4, (1,), generator=g)), int(torch.randint(0, 4, (1,), generator=g))
         b = a.clone()
         b[r, j + 1 :] = a[r, j] * survival(torch.rand(4 - j, generator=g))  # any continuation of the same prefix
         chosen_before = counts[r] > j
-        assert chosen_before == (allocate(b, caps, budget)[r] > j)
+        assert chosen_before == (allocate(b, budget, caps)[r] > j)
 
 
-def _jagged_cost() -> CostCurve:
-    # A step curve with a cliff: 8 tokens cost like 16 (padding to the next captured size).
-    return CostCurve(sizes=[1, 2, 4, 8, 16, 32], ms=[10, 10, 10, 11, 20, 21], capture_limit=32)
+def _cost(sizes: list[int], ms: list[float], limit: int = 0, draft: float = 0.0) -> CostModel:
+    return CostModel.from_points(dict(zip(sizes, ms, strict=True)), {1: draft, 4096: draft}, limit)
 
 
-def _brute_budget(a: torch.Tensor, caps: torch.Tensor, n_sampling: int, tokens: int, curve: CostCurve) -> int:
-    values = sorted(valid_slots(a, caps).flatten().tolist(), reverse=True)[: int(caps.sum())]
-    best, best_rate = 0, -1.0
-    for b in range(len(values) + 1):
-        rate = (n_sampling + sum(values[:b])) / (2.0 + float(curve(torch.tensor([tokens + b]))[0]))
-        if rate > best_rate:
-            best, best_rate = b, rate
-    return best
+def _brute_budget(a: torch.Tensor, n_sampling: int, tokens: int, cost: CostModel) -> int:
+    values = sorted((v for v in a.flatten().tolist() if v > 0), reverse=True)
+    rates = [(n_sampling + sum(values[:b])) / cost.step_ms(n_sampling, tokens + b) for b in range(len(values) + 1)]
+    return max(range(len(rates)), key=lambda b: (rates[b], -b))
 
 
-def test_choose_budget_is_the_global_argmax() -> None:
+def test_choose_budget_is_the_global_argmax_over_a_jagged_curve() -> None:
     g = torch.Generator().manual_seed(2)
-    curve = _jagged_cost()
-    for _ in range(100):
+    cost = _cost([1, 2, 4, 8, 16, 32], [10, 10, 10, 11, 20, 21], limit=32, draft=2.0)
+    for _ in range(200):
         a = _random_survivals(g, 4, 4)
-        caps = torch.randint(0, 5, (4,), generator=g)
-        got = choose_budget(valid_slots(a, caps), int(caps.sum()), 4, 4, 4, curve, lambda r: 2.0)
-        assert got == _brute_budget(a, caps, 4, 4, curve)
+        a[torch.rand(4, generator=g) < 0.3, int(torch.randint(0, 4, (1,), generator=g)) :] = 0.0  # fewer drafts
+        assert choose_budget(a, 4, 4, cost) == _brute_budget(a, 4, 4, cost)
+
+
+def test_the_budget_stops_where_drafts_stop_paying() -> None:
+    """Flat to 16 tokens, then a cliff to twice the cost: 4 requests verify up to 12 drafts, never 13."""
+    cost = _cost([1, 16, 32], [10.0, 10.0, 20.0], limit=32)
+    a = torch.full((4, 8), 0.9).cumprod(dim=1)
+    assert choose_budget(a, 4, 4, cost) == 12
+    assert int(choose_budget_sync(a, 4, 4, cost).sum()) == 12
+    # A smaller cliff (x1.5) is worth crossing for near-certain drafts: 36 tokens (the linear tail past 32) at 16.25 ms
+    # carry 35.8 expected tokens, 2.2 per ms against 1.6 for stopping at 16.
+    certain = torch.full((4, 8), 0.999).cumprod(dim=1)
+    assert choose_budget(certain, 4, 4, _cost([1, 16, 32], [10.0, 10.0, 15.0], limit=32)) == 32
 
 
 def test_the_global_argmax_sees_past_a_dip_that_stops_algorithm_1() -> None:
     """One token past 8 costs a whole padded step (ms 11 -> 20); a little further it pays off again."""
-    curve = CostCurve(sizes=[1, 4, 8, 16, 32], ms=[10, 10, 11, 20, 20.5], capture_limit=32)
-    a = torch.tensor([[0.99, 0.99, 0.99, 0.99, 0.99, 0.99, 0.99, 0.99]] * 3)
-    caps = torch.tensor([8, 8, 8])
-    tokens, sampling = 3, 3
-    b_star = choose_budget(a, 24, sampling, tokens, 3, curve, lambda r: 0.0)
-    assert b_star == 24  # 3 + 24 = 27 tokens, padded to 32 at 20.5 ms: 26.8 tokens for 20.5 ms beats 7.95 for 11
-    counts = choose_budget_sync(a, caps, sampling, tokens, 3, curve, lambda r: 0.0)
-    assert int(counts.sum()) == 5  # 3 + 5 = 8 tokens: the next slot would cross the cliff, so it stops
-    assert counts.tolist() == [2, 2, 1]
+    cost = _cost([1, 4, 8, 16, 32], [10, 10, 11, 20, 20.5], limit=32)
+    a = torch.full((3, 8), 0.99)
+    assert (
+        choose_budget(a, 3, 3, cost) == 24
+    )  # 27 tokens, padded to 32 at 20.5 ms: 26.8 tokens / 20.5 ms beats 7.95 / 11
+    counts = choose_budget_sync(a, 3, 3, cost)
+    assert counts.tolist() == [2, 2, 1]  # 3 + 5 = 8 tokens: the next slot would cross the cliff, so it stops
 
 
-def test_zero_confidence_verifies_nothing() -> None:
-    curve = CostCurve(sizes=[1, 64], ms=[5.0, 9.0])
-    a = torch.zeros(3, 4)
-    assert choose_budget(a, 12, 3, 3, 3, curve, lambda r: 1.0) == 0
-    assert choose_budget_sync(a, torch.full((3,), 4), 3, 3, 3, curve, lambda r: 1.0).tolist() == [0, 0, 0]
+def test_zero_survival_or_no_drafts_verifies_nothing() -> None:
+    cost = _cost([1, 64], [5.0, 9.0], draft=1.0)
+    assert choose_budget(torch.zeros(3, 4), 3, 3, cost) == 0
+    assert choose_budget_sync(torch.zeros(3, 4), 3, 3, cost).tolist() == [0, 0, 0]
+    assert choose_budget(torch.zeros(0, 4), 0, 5, cost) == 0
 
 
 @pytest.mark.parametrize("num_reqs,k", list(itertools.product([1, 3], [1, 4])))
-def test_free_verification_verifies_every_valid_draft(num_reqs: int, k: int) -> None:
-    curve = CostCurve(sizes=[1, 1024], ms=[5.0, 5.0])  # flat: drafts cost nothing
+def test_flat_cost_verifies_every_draft(num_reqs: int, k: int) -> None:
+    cost = _cost([1, 1024], [5.0, 5.0], draft=1.0)  # drafts cost nothing to verify
     a = torch.full((num_reqs, k), 0.5)
-    assert choose_budget(a, num_reqs * k, num_reqs, num_reqs, num_reqs, curve, lambda r: 1.0) == num_reqs * k
-    counts = choose_budget_sync(a, torch.full((num_reqs,), k), num_reqs, num_reqs, num_reqs, curve, lambda r: 1.0)
-    assert counts.tolist() == [k] * num_reqs
+    assert choose_budget(a, num_reqs, num_reqs, cost) == num_reqs * k
+    assert choose_budget_sync(a, num_reqs, num_reqs, cost).tolist() == [k] * num_reqs
+
+
+def test_allocation_is_a_capped_prefix_summing_to_the_budget() -> None:
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        num_reqs, k = int(torch.randint(1, 12, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+        a = _random_survivals(g, num_reqs, k, ties=True)
+        held = torch.randint(0, k + 1, (num_reqs,), generator=g)
+        a[torch.arange(k)[None, :] >= held[:, None]] = 0.0  # slots past a request's drafts hold none
+        caps = torch.randint(0, k + 1, (num_reqs,), generator=g)
+        budget = int(torch.randint(0, num_reqs * k + 2, (1,), generator=g))
+        counts = allocate(a, budget, caps)
+        assert (counts >= 0).all() and (counts <= torch.minimum(caps, held)).all()
+        assert int(counts.sum()) == min(budget, int(torch.minimum(caps, held).sum()))
+        assert allocate(a, budget).tolist() == allocate(a, budget, torch.full((num_reqs,), k)).tolist()
+
+
+def test_allocation_ignores_which_request_holds_a_tied_value() -> None:
+    """Permuting the values among tied slots never changes the counts: ties are broken by place, not value."""
+    a = torch.tensor([[0.5, 0.25], [0.5, 0.25], [0.5, 0.5]])
+    assert allocate(a, 4).tolist() == [1, 1, 2]  # 0.5 x 4 slots: (0,0) (1,0) (2,0) then (2,1)
+    assert allocate(a, 3).tolist() == [1, 1, 1]
+
+
+def test_expected_tokens_counts_the_bonus() -> None:
+    a = torch.tensor([[0.9, 0.45, 0.1], [0.5, 0.25, 0.0]])
+    assert torch.allclose(expected_tokens(a, torch.tensor([2, 0])), torch.tensor([2.35, 1.0], dtype=torch.float64))
+
+
+def test_flat_layout_matches_the_host_builder() -> None:
+    bs = 4
+    num_plain = torch.tensor([1, 5, 1, 0])
+    counts = torch.tensor([3, 0, 2, 0])
+    computed = torch.tensor([6, 0, 13, 2])
+    tables = torch.tensor([[7, 2, 9, 0, 0], [3, 4, 0, 0, 0], [1, 5, 6, 8, 11], [10, 0, 0, 0, 0]])
+    n = int((num_plain + counts).sum())
+    qs, pos, slots = flat_layout(num_plain, counts, computed, tables, bs, n)
+    want_pos, want_slots, want_qs = [], [], [0]
+    for r in range(4):
+        for p in range(int(computed[r]), int(computed[r] + num_plain[r] + counts[r])):
+            want_pos.append(p)
+            want_slots.append(int(tables[r, p // bs]) * bs + p % bs)
+        want_qs.append(len(want_pos))
+    assert qs.tolist() == want_qs and pos.tolist() == want_pos and slots.tolist() == want_slots
+    zero = flat_layout(num_plain, torch.zeros(4, dtype=torch.int64), computed, tables, bs, int(num_plain.sum()))
+    assert zero[0].tolist() == [0, 1, 6, 7, 7]  # budget 0: exactly the plain tokens' offsets

@@ -19,6 +19,7 @@ import torch
 
 from dspark import LLM, SamplingParams
 from dspark.outputs import RequestOutput
+from dspark.spec.cost_model import CostModel
 from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
 from dspark.spec.dspark.config import DSparkConfig
 from helpers import FAMILIES
@@ -68,17 +69,32 @@ def test_greedy_output_is_unchanged_by_speculation(
     prompts = _prompts(3, [5, 23, 70, 140, 9])
     params = _greedy_params(len(prompts))
     reference = _tokens(_llm(model, None, max_num_batched_tokens=48).generate(prompts, params))
-    total_drafts = 0
+    total_drafts, partial = 0, 0
     for k in range(1, 8):
+        # Fixed k, adaptive async and sync in turn; adaptive with the profiled cost or with a steep one (every verified
+        # token costs as much as a step) under which only some drafts are worth verifying.
+        mode = ("fixed", "async", "sync")[k % 3]
         spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
+        if mode == "fixed":
+            spec["enable_adaptive_verification"] = False
+        else:
+            spec["adaptive_verification_mode"] = mode
         if method == "dspark":
             spec["model"] = str(drafters[family])
-        llm = _llm(model, spec, max_num_batched_tokens=48)  # chunked prefill mixed with verification steps
-        assert _tokens(llm.generate(prompts, params)) == reference, f"k={k}"
+        cost = _STEEP if k % 2 else None
+        llm = _llm(model, spec, max_num_batched_tokens=48, cost_model=cost)  # chunked prefill mixed with verification
+        assert _tokens(llm.generate(prompts, params)) == reference, f"k={k} mode={mode}"
         m = llm.get_metrics()
         total_drafts += m["spec_decode_num_draft_tokens"]
         assert m["kv_num_used_blocks"] == 0
+        if mode != "fixed":
+            hist = m["spec_decode_verify_len_hist"]
+            partial += sum(hist[1:k])  # steps that verified some but not all of K slots
     assert total_drafts > 0, "nothing was ever drafted: the test would prove nothing"
+    assert partial > 0, "adaptive verification never verified a partial block: the test would prove little"
+
+
+_STEEP = CostModel.from_points({1: 1.0, 16: 16.0, 64: 64.0}, {1: 0.5, 64: 8.0})
 
 
 @pytest.mark.parametrize("spec", [{"method": "ngram"}, {"method": "dspark", "draft_sample_method": "greedy"}])
@@ -116,7 +132,14 @@ def test_rejection_sampling_output_does_not_depend_on_the_batch(
     from test_batch_invariance import LENGTHS, _workload
 
     model = str(tiny_model_dirs["llama"])
-    spec = {"method": "dspark", "model": str(drafters["llama"]), "num_speculative_tokens": 4}
+    # Fixed k: adaptive verification sizes each request's verification by what else is in the batch (by design), so a
+    # sampled request's output is equal in distribution there, not token for token (greedy stays exact).
+    spec = {
+        "method": "dspark",
+        "model": str(drafters["llama"]),
+        "num_speculative_tokens": 4,
+        "enable_adaptive_verification": False,
+    }
     prompts, params = _workload(9, LENGTHS[:10], max_tokens=12)
     alone_llm = _llm(model, spec)
     alone = [_tokens(alone_llm.generate([p], sp))[0] for p, sp in zip(prompts, params, strict=True)]

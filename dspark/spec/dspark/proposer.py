@@ -117,5 +117,5 @@ class DSparkDrafter:
         confidences = None
         if drafts.confidence_logits is not None:
             # NOTE: not torch.sigmoid, whose vectorised loop gives an element different bits by where it sits.
-            confidences = (1 / (1 + torch.exp(-drafts.confidence_logits * self.inv_temperature))).tolist()
+            confidences = 1 / (1 + torch.exp(-drafts.confidence_logits[:num_reqs] * self.inv_temperature))
         return Proposal(drafts.tokens.tolist(), drafts.probs, confidences)

@@ -1,0 +1,698 @@
+"""Trace-driven simulation of confidence-scheduled verification: which verify policy gives the most tokens per
+second on a cost curve, at each concurrency, without running a model (DESIGN.md sections 3-5).
+
+A trace (JSONL, recorded by the engine with a fixed k, so every draft's fate is observed) holds, per request and
+step, the calibrated confidences of its drafts and how many the target accepted. The simulator replays those blocks
+in C slots, one block per slot per step, and asks each policy how many drafts of each block it would verify.
+Verifying l drafts of a block whose first L survive yields min(l, L) + 1 tokens (coupled verification: the same
+uniforms decide every policy's outcome); the step costs cost.step_ms(R, R + sum of l), no-spec verify_ms(R) alone.
+
+- The block sequence, the EMA and the prior do not depend on the policy, so every policy replays the same steps and
+  their differences are paired, not sampling noise.
+- Simplifications: steps are decode-only (T = R: the trace's num_other_tokens is not replayed), and a block is what
+  the engine drafted after its fixed-k step, whatever the simulated policy verified before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from dspark.errors import ConfigError, DSparkError
+from dspark.spec.cost_model import CostModel
+from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, smooth_confidences, survival
+
+CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+EMA_ALPHAS = (0.0, 0.5, 0.8, 0.9)
+WARMUP_STEPS = 64  # replayed before measuring, so every slot starts mid-request with a warm EMA and prior
+CONFIDENCE_POLICIES = ("adaptive-async", "adaptive-sync", "threshold", "smartspec")  # report predicted - realised
+
+
+class TraceError(DSparkError, ValueError):
+    """A trace that cannot be read: names the file, the line and the problem."""
+
+    def __init__(self, path: Path, line: int, problem: str) -> None:
+        super().__init__(f"{path}:{line}: {problem}" if line else f"{path}: {problem}")
+
+
+# ---- trace --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Block:
+    confidences: list[float]  # calibrated, one per draft the simulator may verify
+    num_drafts: int  # len(confidences): drafts held, or only the verified ones when the trace recorded no more
+    accepted: int  # L: how many leading drafts the target accepts
+
+
+@dataclass
+class Trace:
+    K: int
+    header: dict[str, Any]
+    streams: dict[str, list[Block]]  # request id -> its blocks in step order
+    num_censored: int = 0  # blocks skipped: partly verified and all of those accepted, so L is unknown
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self.streams.values())
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a JSONL trace: a header line, then one line per engine step (format in DESIGN.md / the engine's flag)."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise TraceError(path, 0, f"cannot be read ({e.strerror})") from None
+    header: dict[str, Any] | None = None
+    streams: dict[str, list[Block]] = {}
+    censored = 0
+    for lineno, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except ValueError as e:
+            raise TraceError(path, lineno, f"not JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise TraceError(path, lineno, f"expected a JSON object, got {type(record).__name__}")
+        kind = record.get("type")
+        if header is None:
+            if kind != "header":
+                raise TraceError(path, lineno, f"the first line must be the header, got type={kind!r}")
+            if not _is_int(record.get("K")) or record["K"] < 1:
+                raise TraceError(path, lineno, f"header K={record.get('K')!r}: must be a positive integer")
+            header = record
+            continue
+        if kind != "step":
+            raise TraceError(path, lineno, f"type={kind!r}: after the header every line must be a step")
+        requests = record.get("requests")
+        if not isinstance(requests, list):
+            raise TraceError(path, lineno, f"requests={requests!r}: must be a list")
+        seen: set[str] = set()
+        for i, request in enumerate(requests):
+            try:
+                rid, block = _parse_request(request, header["K"])
+            except ValueError as e:
+                raise TraceError(path, lineno, f"request {i}: {e}") from None
+            if rid in seen:
+                raise TraceError(path, lineno, f"request {i}: id {rid!r} appears twice in one step")
+            seen.add(rid)
+            if block is None:
+                censored += 1
+            else:
+                streams.setdefault(rid, []).append(block)
+    if header is None:
+        raise TraceError(path, 0, "empty: no header line")
+    return Trace(header["K"], header, streams, censored)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_request(request: Any, k: int) -> tuple[str, Block | None]:
+    if not isinstance(request, dict):
+        raise ValueError(f"expected an object, got {type(request).__name__}")
+    rid = request.get("id")
+    if not isinstance(rid, str | int) or isinstance(rid, bool):
+        raise ValueError(f"id={rid!r}: must be a string")
+    conf = request.get("confidences")
+    if not isinstance(conf, list) or not all(
+        isinstance(c, int | float) and not isinstance(c, bool) and 0.0 <= c <= 1.0 for c in conf
+    ):
+        raise ValueError(f"confidences={conf!r}: must be a list of numbers in [0, 1]")
+    for name in ("num_drafts", "num_verified", "num_accepted"):
+        if not _is_int(request.get(name)) or request[name] < 0:
+            raise ValueError(f"{name}={request.get(name)!r}: must be a non-negative integer")
+    drafts, verified, accepted = request["num_drafts"], request["num_verified"], request["num_accepted"]
+    if drafts > k:
+        raise ValueError(f"num_drafts={drafts} exceeds K={k}")
+    if not accepted <= verified <= drafts:
+        raise ValueError(f"needs num_accepted <= num_verified <= num_drafts, got {accepted}, {verified}, {drafts}")
+    if not verified <= len(conf) <= drafts:
+        raise ValueError(f"{len(conf)} confidences: expected num_verified={verified} to num_drafts={drafts}")
+    if verified < drafts and accepted == verified:
+        return str(rid), None  # censored: the first unverified draft might have survived too
+    return str(rid), Block([float(c) for c in conf], len(conf), accepted)
+
+
+# ---- policies -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepInputs:
+    """What a policy sees for one simulated step of R slots."""
+
+    live: torch.Tensor  # [R, K] survivals of this block's smoothed confidences; 0 where no draft
+    stale: torch.Tensor  # [R, K] survivals of the previous block's (a prior for a first block); 0 where no draft
+    num_drafts: torch.Tensor  # [R] int64
+    accepted: torch.Tensor  # [R] int64: the true L (only the oracle looks)
+
+
+Policy = Callable[[StepInputs, CostModel], torch.Tensor]  # -> [R] int64 drafts to verify, each a prefix
+
+
+def no_spec(step: StepInputs, cost: CostModel) -> torch.Tensor:
+    return torch.zeros_like(step.num_drafts)
+
+
+def fixed_k(k: int) -> Policy:
+    def choose(step: StepInputs, cost: CostModel) -> torch.Tensor:
+        return step.num_drafts.clamp(max=k)
+
+    return choose
+
+
+def adaptive_async(step: StepInputs, cost: CostModel) -> torch.Tensor:
+    """The engine's default: the budget from stale survivals, the slots from live ones."""
+    num_reqs = step.num_drafts.numel()
+    return allocate(step.live, choose_budget(step.stale, num_reqs, num_reqs, cost))
+
+
+def adaptive_sync(step: StepInputs, cost: CostModel) -> torch.Tensor:
+    num_reqs = step.num_drafts.numel()
+    return choose_budget_sync(step.live, num_reqs, num_reqs, cost)
+
+
+def threshold_policy(tau: float) -> Policy:
+    def choose(step: StepInputs, cost: CostModel) -> torch.Tensor:
+        has = torch.arange(step.live.shape[1])[None, :] < step.num_drafts[:, None]
+        return ((step.live >= tau) & has).sum(dim=1)  # survivals never increase: a prefix
+
+    return choose
+
+
+def smartspec(step: StepInputs, cost: CostModel) -> torch.Tensor:
+    """One k for the whole batch, the one with the best expected goodput on stale survivals (SmartSpec-style)."""
+    num_reqs, k = step.stale.shape
+    ks = torch.arange(k + 1)
+    gains = num_reqs + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(step.stale.double().sum(0), 0)])
+    tokens = num_reqs + torch.minimum(ks[:, None], step.num_drafts[None, :]).sum(dim=1)
+    best = int(torch.argmax(gains / cost.step_ms(num_reqs, tokens)))
+    return step.num_drafts.clamp(max=best)
+
+
+def oracle(step: StepInputs, cost: CostModel) -> torch.Tensor:
+    """Verifies only drafts it knows survive; the budget is the global argmax of tokens per millisecond."""
+    num_reqs, k = step.live.shape
+    budgets = torch.arange(int(step.accepted.sum()) + 1)
+    best = int(torch.argmax((num_reqs + budgets) / cost.step_ms(num_reqs, num_reqs + budgets)))
+    known = (torch.arange(k)[None, :] < step.accepted[:, None]).double()
+    return allocate(known, best)  # NOTE: all values equal, so slots go position-major: each request a prefix
+
+
+def policy_names(k: int) -> list[str]:
+    return ["no-spec", *(f"fixed-{i}" for i in range(1, k + 1)), *CONFIDENCE_POLICIES, "oracle"]
+
+
+def get_policy(name: str, tau: float = 0.5) -> Policy:
+    named: dict[str, Policy] = {
+        "no-spec": no_spec,
+        "adaptive-async": adaptive_async,
+        "adaptive-sync": adaptive_sync,
+        "threshold": threshold_policy(tau),
+        "smartspec": smartspec,
+        "oracle": oracle,
+    }
+    if name in named:
+        return named[name]
+    k = name.removeprefix("fixed-")
+    if k != name and k.isdigit() and int(k) >= 1:
+        return fixed_k(int(k))
+    raise ConfigError("policy", name, f"one of {', '.join(named)} or fixed-<k>")
+
+
+# ---- simulation ---------------------------------------------------------------------------------------------------
+
+
+def ema_update(
+    state: torch.Tensor,  # [R, K] smoothed confidences so far
+    known: torch.Tensor,  # [R, K] bool: positions that have a smoothed value
+    current: torch.Tensor,  # [R, K] this block's confidences
+    has: torch.Tensor,  # [R, K] bool: positions holding a draft this block
+    alpha: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of the per-position EMA: a draft's position blends into its smoothed value (or starts it); a
+    position without a draft this block keeps the value it had."""
+    blended = torch.where(known, smooth_confidences(state, current, alpha), current)
+    return torch.where(has, blended, state), known | has
+
+
+def _prior_conditionals(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[K] per-position confidences whose survivals are the mean survivals seen so far (0.5 ** (j + 1) before any)."""
+    start = 0.5 ** torch.arange(1, sums.numel() + 1, dtype=torch.float64)
+    prior = torch.cummin(torch.where(counts > 0, sums / counts.clamp(min=1), start), 0).values
+    before = torch.cat([torch.ones(1, dtype=torch.float64), prior[:-1]])
+    return torch.where(before > 0, prior / before.clamp(min=1e-300), 0.0)
+
+
+class _TabulatedCost(CostModel):
+    """The same curves, read from a table of every token count a simulation can reach: a simulation asks for the
+    same few costs hundreds of thousands of times."""
+
+    def __init__(self, cost: CostModel, max_tokens: int, num_requests: int) -> None:
+        super().__init__(cost.verify, cost.draft, cost.key)
+        self.verify_table = cost.verify_ms(torch.arange(max_tokens + 1))  # [max_tokens + 1] fp64
+        self.drafts = {0: 0.0, num_requests: cost.draft_ms(num_requests)}
+        self.base = cost
+
+    def verify_ms(self, num_tokens: torch.Tensor, context_tokens: int | None = None) -> torch.Tensor:
+        return self.verify_table[num_tokens]
+
+    def draft_ms(self, num_reqs: int) -> float:
+        if num_reqs not in self.drafts:
+            self.drafts[num_reqs] = self.base.draft_ms(num_reqs)
+        return self.drafts[num_reqs]
+
+    def step_ms(self, num_requests: int, num_tokens: Any, context_tokens: int | None = None) -> Any:
+        if isinstance(num_tokens, torch.Tensor):
+            return self.draft_ms(num_requests) + self.verify_table[num_tokens]
+        return self.draft_ms(num_requests) + float(self.verify_table[num_tokens])
+
+
+def simulate_policies(
+    trace: Trace,
+    cost: CostModel,
+    policies: Sequence[str],
+    concurrency: int,
+    ema_alpha: float = 0.8,
+    threshold: float = 0.5,
+    steps: int | None = None,
+    min_blocks: int = 2000,
+    min_steps: int = 20,
+) -> list[dict[str, Any]]:
+    """Replay the trace in `concurrency` slots for `steps` steps (default: enough for min_blocks blocks, at least
+    min_steps) under each policy; one result per policy, in order.
+
+    The trace's streams lie end to end in a cycle; slot i starts at block i * N / C of it (so slots sharing a stream
+    are at different points of it) and moves one block per step, a stream's first block resetting its EMA."""
+    if concurrency < 1:
+        raise ConfigError("concurrency", concurrency, "must be a positive integer")
+    if not 0.0 <= ema_alpha < 1.0:
+        raise ConfigError("ema_alpha", ema_alpha, "must be in [0, 1)")
+    if steps is not None and steps < 1:
+        raise ConfigError("steps", steps, "must be a positive integer")
+    blocks = [b for stream in trace.streams.values() for b in stream]
+    if not blocks:
+        raise ConfigError("trace", trace.header, f"holds no fully observed block ({trace.num_censored} censored)")
+    k, num_blocks = trace.K, len(blocks)
+    conf_all = torch.zeros(num_blocks, k, dtype=torch.float64)  # [N, K]
+    for i, b in enumerate(blocks):
+        conf_all[i, : b.num_drafts] = torch.tensor(b.confidences, dtype=torch.float64)
+    drafts_all = torch.tensor([b.num_drafts for b in blocks])  # [N]
+    accepted_all = torch.tensor([b.accepted for b in blocks])  # [N]
+    first_all = torch.tensor([j == 0 for stream in trace.streams.values() for j in range(len(stream))])  # [N]
+
+    num_steps = steps if steps is not None else max(math.ceil(min_blocks / concurrency), min_steps)
+    chosen = [(name, get_policy(name, threshold)) for name in policies]
+    cost = _TabulatedCost(cost, concurrency * (k + 1), concurrency)
+    # NOTE: no-spec runs no drafter, so its step pays the target pass alone
+    draft_ms = torch.tensor([0.0 if name == "no-spec" else cost.draft_ms(concurrency) for name in policies])  # [P]
+    sums = {
+        key: torch.zeros(len(policies), dtype=torch.float64) for key in ("ms", "verified", "pred", "real", "blocks")
+    }
+    positions = torch.arange(k)
+    pointer = (torch.arange(concurrency) * num_blocks // concurrency - WARMUP_STEPS) % num_blocks
+    state = torch.zeros(concurrency, k, dtype=torch.float64)
+    known = torch.zeros(concurrency, k, dtype=torch.bool)
+    prior_sums = torch.zeros(k, dtype=torch.float64)
+    prior_counts = torch.zeros(k, dtype=torch.int64)
+    for t in range(-WARMUP_STEPS, num_steps):
+        conf, num_drafts, accepted = conf_all[pointer], drafts_all[pointer], accepted_all[pointer]
+        has = positions[None, :] < num_drafts[:, None]
+        known &= ~first_all[pointer][:, None]
+        stale = survival(torch.where(known, state, _prior_conditionals(prior_sums, prior_counts))) * has
+        state, known = ema_update(state, known, conf, has, ema_alpha)
+        live = survival(state) * has  # every position before a draft holds one: updated this block
+        prior_sums += (survival(conf) * has).sum(0)
+        prior_counts += has.sum(0)
+        pointer = (pointer + 1) % num_blocks
+        if t < 0:
+            continue
+        step = StepInputs(live, stale, num_drafts, accepted)
+        counts = torch.stack([policy(step, cost).to(torch.int64) for _, policy in chosen])  # [P, R]
+        verified = counts.sum(dim=1)  # [P]
+        sums["ms"] += draft_ms + cost.verify_table[concurrency + verified]
+        sums["verified"] += verified
+        sums["pred"] += (live[None] * (positions[None, None, :] < counts[:, :, None])).sum(dim=(1, 2))
+        sums["real"] += torch.minimum(counts, accepted[None, :]).sum(dim=1)
+        sums["blocks"] += (counts > 0).sum(dim=1)
+
+    results = []
+    request_steps = num_steps * concurrency
+    for i, name in enumerate(policies):
+        ms, verified, pred, real, blocks_verified = (float(sums[key][i]) for key in sums)
+        tokens = request_steps + real  # every request-step emits its bonus token
+        report = name in CONFIDENCE_POLICIES
+        results.append(
+            {
+                "policy": name,
+                "concurrency": concurrency,
+                "steps": num_steps,
+                "ema_alpha": ema_alpha,
+                "tokens": int(tokens),
+                "ms": ms,
+                "tokens_per_s": tokens / ms * 1e3,
+                "mean_verify_len": verified / request_steps,
+                "acceptance_length": tokens / request_steps,
+                # predicted minus realised accepted drafts, per verified block and per verified draft
+                "pred_minus_real": (pred - real) / blocks_verified if report and blocks_verified else None,
+                "pred_minus_real_per_draft": (pred - real) / verified if report and verified else None,
+            }
+        )
+    return results
+
+
+def simulate(
+    trace: Trace,
+    cost: CostModel,
+    policy: str,
+    concurrency: int,
+    ema_alpha: float = 0.8,
+    threshold: float = 0.5,
+    steps: int | None = None,
+    min_blocks: int = 2000,
+    min_steps: int = 20,
+) -> dict[str, Any]:
+    """One policy at one concurrency: tokens, ms, tokens_per_s, mean_verify_len, acceptance_length, pred_minus_real."""
+    return simulate_policies(trace, cost, [policy], concurrency, ema_alpha, threshold, steps, min_blocks, min_steps)[0]
+
+
+ROW_KEYS = ("policy", "concurrency", "tokens_per_s", "mean_verify_len", "acceptance_length", "pred_minus_real")
+
+
+def run_all(
+    trace: Trace,
+    cost: CostModel,
+    concurrencies: Sequence[int] = CONCURRENCIES,
+    ema_alpha: float = 0.8,
+    threshold: float = 0.5,
+    steps: int | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Every policy at every concurrency, with its ratio to the oracle; plus a `best-fixed` row per concurrency
+    (the fixed k with the most tokens/s there, its k in `k`)."""
+    rows = []
+    for c in tqdm(concurrencies, desc="simulate", unit="C", file=sys.stderr, leave=False, disable=not progress):
+        results = simulate_policies(trace, cost, policy_names(trace.K), c, ema_alpha, threshold, steps)
+        best_tps = next(r["tokens_per_s"] for r in results if r["policy"] == "oracle")
+        group = [
+            {**{key: r[key] for key in ROW_KEYS}, "ratio_to_oracle": r["tokens_per_s"] / best_tps} for r in results
+        ]
+        best = max((r for r in group if r["policy"].startswith("fixed-")), key=lambda r: r["tokens_per_s"])
+        rows += [*group, {**best, "policy": "best-fixed", "k": int(best["policy"].removeprefix("fixed-"))}]
+    return rows
+
+
+def ema_study(
+    trace: Trace,
+    cost: CostModel,
+    concurrencies: Sequence[int] = CONCURRENCIES,
+    alphas: Sequence[float] = EMA_ALPHAS,
+    steps: int | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """adaptive-async's predicted minus realised accepted drafts, per verified draft, for each EMA alpha: the alpha
+    where it crosses zero is the one to trust (DESIGN.md section 4)."""
+    out = []
+    grid = [(a, c) for a in alphas for c in concurrencies]
+    for alpha, c in tqdm(grid, desc="ema study", file=sys.stderr, leave=False, disable=not progress):
+        r = simulate(trace, cost, "adaptive-async", c, ema_alpha=alpha, steps=steps)
+        out.append(
+            {
+                "alpha": alpha,
+                "concurrency": c,
+                "pred_minus_real_per_draft": r["pred_minus_real_per_draft"],
+                "tokens_per_s": r["tokens_per_s"],
+            }
+        )
+    return out
+
+
+# ---- cost curves --------------------------------------------------------------------------------------------------
+
+
+def b300_like(capture_limit: int = 512) -> CostModel:
+    """A synthetic curve shaped like a large model on a B300-class GPU (not a measurement): verification flat at
+    2 ms up to 64 tokens, +0.004 ms a token up to the capture limit, x1.6 just past it (eager steps), then linear;
+    drafting 0.6 + 0.0015 ms a request."""
+    if capture_limit < 1:
+        raise ConfigError("capture_limit", capture_limit, "must be a positive integer")
+
+    def verify(n: int) -> float:
+        return 2.0 + 0.004 * max(0, n - 64)
+
+    captured = sorted({1, 2, 4, *range(8, capture_limit + 1, 8), capture_limit})
+    eager = [capture_limit + 1, *(capture_limit * m for m in (2, 4, 8, 16))]
+    verify_ms = {n: verify(n) for n in captured} | {n: 1.6 * verify(n) for n in eager}
+    draft_ms = {r: 0.6 + 0.0015 * r for r in captured + eager}
+    return CostModel.from_points(verify_ms, draft_ms, capture_limit, key={"curve": "b300-like", "synthetic": True})
+
+
+def measured(path: str | Path) -> CostModel:
+    """A profiled cost model, as `dspark profile` saves it."""
+    cost = CostModel.load(Path(path))
+    if cost is None:
+        raise ConfigError("cost", str(path), "b300 or a readable cost-model JSON file")
+    return cost
+
+
+def load_cost(spec: str) -> CostModel:
+    return b300_like() if spec == "b300" else measured(spec)
+
+
+def curve_name(spec: str) -> str:
+    return "b300" if spec == "b300" else Path(spec).stem
+
+
+# ---- reporting ----------------------------------------------------------------------------------------------------
+
+
+def _shown_policies(rows: list[dict[str, Any]]) -> list[str]:
+    """The policies worth a column or a line: fixed-K only as its largest k, beside the best fixed k."""
+    names = list(dict.fromkeys(r["policy"] for r in rows))
+    fixed = [n for n in names if n.startswith("fixed-")]
+    top = max(fixed, key=lambda n: int(n.removeprefix("fixed-")), default=None)
+    return [n for n in names if not n.startswith("fixed-") or n == top]
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
+    groups: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r.get("curve", ""), r["concurrency"]), {})[r["policy"]] = r
+    return groups
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """Tokens/s per policy (ratio to the oracle in brackets) by curve and concurrency, with adaptive-async's mean
+    verify length and predicted minus realised accepted drafts per verified block."""
+    shown = _shown_policies(rows)
+    head = ["curve", "C", *shown, "best k", "async verify len", "async pred-real"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for (curve, c), by_policy in _groups(rows).items():
+        cells = [curve or "-", str(c)]
+        for name in shown:
+            r = by_policy.get(name)
+            cells.append(f"{r['tokens_per_s']:,.0f} ({r['ratio_to_oracle']:.2f})" if r else "-")
+        best, adaptive = by_policy.get("best-fixed"), by_policy.get("adaptive-async")
+        cells.append(str(best["k"]) if best else "-")
+        cells.append(f"{adaptive['mean_verify_len']:.2f}" if adaptive else "-")
+        pmr = adaptive["pred_minus_real"] if adaptive else None
+        cells.append(f"{pmr:+.3f}" if pmr is not None else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ema_table(study: list[dict[str, Any]]) -> str:
+    """adaptive-async's predicted minus realised accepted drafts per verified draft: one row per curve and alpha."""
+    concurrencies = list(dict.fromkeys(r["concurrency"] for r in study))
+    by_row: dict[tuple[str, float], dict[int, float | None]] = {}
+    for r in study:
+        by_row.setdefault((r.get("curve", ""), r["alpha"]), {})[r["concurrency"]] = r["pred_minus_real_per_draft"]
+    head = ["curve", "alpha", *(f"C={c}" for c in concurrencies)]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for (curve, alpha), values in by_row.items():
+        cells = [f"{v:+.3f}" if v is not None else "-" for v in (values.get(c) for c in concurrencies)]
+        lines.append("| " + " | ".join([curve or "-", f"{alpha:g}", *cells]) + " |")
+    return "\n".join(lines)
+
+
+def summary_line(rows: list[dict[str, Any]]) -> str:
+    parts = []
+    for curve in dict.fromkeys(r.get("curve", "") for r in rows):
+        groups = [g for (cv, _), g in _groups(rows).items() if cv == curve]
+        ratios = [g["adaptive-async"]["ratio_to_oracle"] for g in groups]
+        wins = sum(g["adaptive-async"]["tokens_per_s"] >= g["best-fixed"]["tokens_per_s"] for g in groups)
+        parts.append(
+            f"{curve or 'cost'}: adaptive-async at {min(ratios):.2f}-{max(ratios):.2f} of the oracle, "
+            f">= the best fixed k at {wins}/{len(groups)} concurrencies"
+        )
+    return "; ".join(parts)
+
+
+def plot(rows: list[dict[str, Any]], path: str | Path) -> None:
+    """Tokens/s (top) and its ratio to the oracle (bottom) against concurrency, one column per cost curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = list(dict.fromkeys(r.get("curve", "") for r in rows))
+    fig, axes = plt.subplots(2, len(curves), figsize=(6.5 * len(curves), 8), squeeze=False, sharex=True)
+    for col, curve in enumerate(curves):
+        sub = [r for r in rows if r.get("curve", "") == curve]
+        top, bottom = axes[0][col], axes[1][col]
+        for name in _shown_policies(sub):
+            points = sorted(
+                (r["concurrency"], r["tokens_per_s"], r["ratio_to_oracle"]) for r in sub if r["policy"] == name
+            )
+            style = {"linestyle": "--" if name in ("oracle", "no-spec") else "-", "marker": "o", "markersize": 3}
+            top.plot([p[0] for p in points], [p[1] for p in points], label=name, **style)
+            bottom.plot([p[0] for p in points], [p[2] for p in points], label=name, **style)
+        top.set_title(f"cost curve: {curve}" if curve else "simulated throughput")
+        top.set_ylabel("tokens/s")
+        top.set_yscale("log")
+        bottom.set_ylabel("tokens/s relative to the oracle")
+        bottom.set_xlabel("concurrency")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- command line -------------------------------------------------------------------------------------------------
+
+SIMULATE_EPILOG = """\
+The trace comes from the engine run with a fixed k and trace recording on. Each policy replays the same blocks;
+a cell reads tokens/s (ratio to the oracle, which verifies exactly the drafts that survive).
+
+examples:
+  dspark simulate trace.jsonl
+  dspark simulate trace.jsonl --cost b300 --cost cost-h200.json --output-json out/sim.json --output-plot out/sim.png
+"""
+
+
+def add_parser(
+    subparsers: Any, formatter_class: type[argparse.HelpFormatter] = argparse.RawDescriptionHelpFormatter
+) -> argparse.ArgumentParser:
+    """Register `simulate` on a subparsers object (cli.py passes its own formatter)."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="replay a draft trace under each verify policy and cost curve: tokens/s by concurrency",
+        description="Trace-driven simulation of confidence-scheduled verification: no-spec, fixed k, adaptive\n"
+        "(async and sync), threshold, SmartSpec-style and an oracle, on profiled or synthetic step costs.",
+        epilog=SIMULATE_EPILOG,
+        formatter_class=formatter_class,
+    )
+    p.add_argument("trace", metavar="TRACE.jsonl", help="a step trace recorded by the engine")
+    g = p.add_argument_group("simulation")
+    g.add_argument(
+        "--cost",
+        action="append",
+        metavar="CURVE",
+        help="b300 (a synthetic B300-like curve) or a cost-model JSON from `dspark profile` (repeatable; "
+        "default: b300)",
+    )
+    g.add_argument(
+        "--concurrency",
+        metavar="C",
+        type=int,
+        nargs="+",
+        default=list(CONCURRENCIES),
+        help="concurrencies to simulate (default: 1 2 4 ... 1024)",
+    )
+    g.add_argument(
+        "--ema-alpha", metavar="A", type=float, default=0.8, help="confidence EMA, in [0, 1) (default: %(default)s)"
+    )
+    g.add_argument(
+        "--threshold",
+        metavar="TAU",
+        type=float,
+        default=0.5,
+        help="the threshold policy verifies drafts whose survival is at least this (default: %(default)s)",
+    )
+    g.add_argument(
+        "--steps", metavar="N", type=int, help="steps per run (default: enough for 2000 blocks, at least 20)"
+    )
+    g.add_argument("--output-json", metavar="PATH", help="write the rows and the EMA study here")
+    g.add_argument("--output-plot", metavar="PATH", help="write the tokens/s plot here (PNG, SVG or PDF)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _output(value: str | None, field: str) -> Path | None:
+    """An output path, checked before a run rather than after it."""
+    output = Path(value) if value else None
+    if output is not None and not output.parent.is_dir():
+        raise ConfigError(field, str(output), f"its directory {output.parent} does not exist")
+    return output
+
+
+def run(args: argparse.Namespace) -> int:
+    if any(c < 1 for c in args.concurrency):
+        raise ConfigError("concurrency", args.concurrency, "every value must be a positive integer")
+    if not 0.0 <= args.ema_alpha < 1.0:
+        raise ConfigError("ema_alpha", args.ema_alpha, "must be in [0, 1)")
+    if not 0.0 < args.threshold <= 1.0:
+        raise ConfigError("threshold", args.threshold, "must be in (0, 1]")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError("steps", args.steps, "must be a positive integer")
+    output_json, output_plot = _output(args.output_json, "output_json"), _output(args.output_plot, "output_plot")
+    trace = load_trace(args.trace)
+    specs = args.cost or ["b300"]
+    curves = [(curve_name(spec), load_cost(spec)) for spec in specs]
+    rows: list[dict[str, Any]] = []
+    study: list[dict[str, Any]] = []
+    for name, cost in curves:
+        found = run_all(trace, cost, args.concurrency, args.ema_alpha, args.threshold, args.steps, progress=True)
+        rows += [{"curve": name, **r} for r in found]
+        study += [
+            {"curve": name, **r} for r in ema_study(trace, cost, args.concurrency, steps=args.steps, progress=True)
+        ]
+    print(markdown_table(rows))
+    print()
+    print(ema_table(study))
+    print()
+    print(summary_line(rows))
+    if output_json is not None:
+        result = {
+            "command": getattr(args, "command_line", ""),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "trace": {
+                "path": str(args.trace),
+                "header": trace.header,
+                "num_streams": len(trace.streams),
+                "num_blocks": trace.num_blocks,
+                "num_censored": trace.num_censored,
+            },
+            "settings": {
+                "costs": specs,
+                "concurrencies": args.concurrency,
+                "ema_alpha": args.ema_alpha,
+                "threshold": args.threshold,
+                "steps": args.steps,
+            },
+            "rows": rows,
+            "ema_study": study,
+        }
+        try:
+            output_json.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            raise ConfigError("output_json", str(output_json), f"cannot be written ({e})") from None
+    if output_plot is not None:
+        plot(rows, output_plot)
+    return 0

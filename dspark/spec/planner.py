@@ -1,0 +1,298 @@
+"""The engine's side of confidence-scheduled verification: per-request confidence state, the step's verify counts,
+and the online record of how well the confidences predicted what verification then accepted.
+
+Each step:
+1. `observe` (after drafting): confidences (the drafter's, calibrated; or, for a drafter without them, the online
+   conditional acceptance rate of each position within its stratum, e.g. the n-gram match length) are smoothed per
+   request and position (EMA), turned into live survivals, and copied to the host asynchronously. The copy lands in
+   a queue that `plan` reads only once a newer copy exists, so the budget always comes from survivals one or two
+   steps old and never waits for the device.
+2. `plan` (after scheduling): async mode picks B* on the host from the stale survivals (choose_budget) and allocates
+   the live ones (allocate); sync mode runs Algorithm 1 on the live ones. The scheduled drafts are cut to the counts.
+3. `record` (after verifying): per-position outcomes feed the conditional acceptance rates, the calibration monitor
+   (predicted vs realised accepted drafts, ECE of the survivals of verified slots) and the trace.
+
+Losslessness (DESIGN.md section 4): a draft's confidence depends only on the drafts before it (the DSpark head reads
+the previous token; the n-gram strata are fixed before drafting and the drafts are deterministic), the budget is
+fixed before the live values are seen (async) or grows only while the rate improves (sync), and allocation breaks
+ties by position, so whether a draft is verified never depends on its own value.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.engine.scheduler import SchedulerOutput
+from dspark.spec.cost_model import CostModel
+from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, smooth_confidences
+from dspark.train.calibrate import NUM_BINS
+
+MIN_CONFIDENCE = 1e-4  # a held draft keeps a positive survival: 0 means "no draft here" to allocate
+
+
+@dataclass
+class _Copy:
+    """An asynchronous device-to-host copy of one step's survivals."""
+
+    step: int
+    request_ids: list[str]
+    host: torch.Tensor  # [R, K]
+    event: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
+
+
+@dataclass
+class CalibrationMonitor:
+    """Predicted vs realised acceptance of the drafts actually verified."""
+
+    num_blocks: int = 0
+    predicted: float = 0.0  # sum over verified blocks of the survivals of their verified slots
+    realised: float = 0.0  # sum of their accepted drafts
+    bin_count: torch.Tensor = field(default_factory=lambda: torch.zeros(NUM_BINS, dtype=torch.float64))
+    bin_predicted: torch.Tensor = field(default_factory=lambda: torch.zeros(NUM_BINS, dtype=torch.float64))
+    bin_realised: torch.Tensor = field(default_factory=lambda: torch.zeros(NUM_BINS, dtype=torch.float64))
+
+    def add(self, survivals: torch.Tensor, num_accepted: int) -> None:
+        """survivals: [l] host fp64 of the verified slots; slot j survived when j < num_accepted."""
+        outcome = (torch.arange(survivals.numel()) < num_accepted).double()
+        bins = (survivals * NUM_BINS).long().clamp_(0, NUM_BINS - 1)
+        self.bin_count += torch.bincount(bins, minlength=NUM_BINS).double()
+        self.bin_predicted += torch.bincount(bins, weights=survivals, minlength=NUM_BINS)
+        self.bin_realised += torch.bincount(bins, weights=outcome, minlength=NUM_BINS)
+        self.num_blocks += 1
+        self.predicted += float(survivals.sum())
+        self.realised += num_accepted
+
+    @property
+    def ece(self) -> float:
+        total = float(self.bin_count.sum())
+        return float((self.bin_predicted - self.bin_realised).abs().sum()) / total if total else 0.0
+
+
+@dataclass
+class StepTiming:
+    """Predicted vs measured step times; measured by CUDA events read back only once they have completed."""
+
+    pending: deque[tuple[float, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=deque)
+    num_steps: int = 0
+    sum_relative_error: float = 0.0  # sum of (predicted - measured) / measured
+    sum_abs_relative_error: float = 0.0
+
+    def add(self, predicted_ms: float, measured_ms: float) -> None:
+        rel = (predicted_ms - measured_ms) / max(measured_ms, 1e-6)
+        self.num_steps += 1
+        self.sum_relative_error += rel
+        self.sum_abs_relative_error += abs(rel)
+
+    def harvest(self) -> None:
+        while self.pending and self.pending[0][2].query():
+            predicted, start, end = self.pending.popleft()
+            self.add(predicted, start.elapsed_time(end))
+
+
+class VerificationPlanner:
+    def __init__(
+        self,
+        num_spec_tokens: int,
+        mode: str,  # "fixed" (verify every draft), "async" or "sync"
+        ema_alpha: float,
+        cost: CostModel | None,
+        device: torch.device,
+        num_strata: int = 1,
+    ) -> None:
+        assert mode == "fixed" or cost is not None, "adaptive verification needs a cost model"
+        self.k = num_spec_tokens
+        self.mode = mode
+        self.alpha = ema_alpha
+        self.cost = cost
+        self.device = device
+        self._step = 0
+        self._smoothed: dict[str, torch.Tensor] = {}  # request id -> [K] smoothed confidences (device)
+        self._live: dict[str, torch.Tensor] = {}  # request id -> [K] survivals of its pending drafts (device)
+        self._raw: dict[str, torch.Tensor] = {}  # request id -> [K] its pending drafts' confidences before smoothing
+        self._stratum: dict[str, int] = {}
+        self._stale: dict[str, torch.Tensor] = {}  # request id -> [K] host survivals, a step or two old
+        self._copies: deque[_Copy] = deque()
+        self._prior = 0.5 ** torch.arange(1, num_spec_tokens + 1, dtype=torch.float64)  # before any survival is seen
+        # Conditional acceptance per stratum and position: reached (every earlier draft accepted) and accepted counts.
+        self.reached = torch.zeros(num_strata, num_spec_tokens, dtype=torch.float64)
+        self.accepted = torch.zeros(num_strata, num_spec_tokens, dtype=torch.float64)
+        self.calibration = CalibrationMonitor()
+        self.timing = StepTiming()
+        self.num_planned_steps = 0
+        self.sum_budget = 0
+        self.verify_len_hist = [0] * (num_spec_tokens + 1)  # requests that verified l drafts in a step, l = 0..K
+        self._predicted_ms: float | None = None
+        self._step_start: float | torch.cuda.Event | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.mode != "fixed"
+
+    # ---- 1. after drafting --------------------------------------------------------------------------------------
+
+    def observe(
+        self,
+        request_ids: list[str],
+        num_drafts: list[int],
+        confidences: torch.Tensor | None,  # [R, >=max drafts] calibrated, or None: the drafter has none
+        strata: list[int] | None = None,  # per request, for drafters without confidences
+    ) -> None:
+        if not request_ids:
+            return
+        k = self.k
+        if confidences is None:
+            rates = (self.accepted + 1.0) / (self.reached + 2.0)  # Beta(1, 1) prior: 0.5 before any outcome
+            rows = torch.tensor(strata or [0] * len(request_ids), dtype=torch.int64).clamp_(0, rates.shape[0] - 1)
+            current = rates[rows].to(self.device, torch.float32)
+            if strata is not None:
+                self._stratum.update(zip(request_ids, strata, strict=True))
+        else:
+            current = confidences[:, :k].float()
+            if current.shape[1] < k:
+                current = torch.cat([current, current.new_zeros(current.shape[0], k - current.shape[1])], dim=1)
+        current = current.clamp(MIN_CONFIDENCE, 1.0)
+        held = (
+            torch.arange(k, device=current.device)[None, :] < torch.tensor(num_drafts, device=current.device)[:, None]
+        )
+        survivals = []
+        for i, rid in enumerate(request_ids):
+            smoothed = smooth_confidences(self._smoothed.get(rid), current[i], self.alpha)
+            self._smoothed[rid] = smoothed
+            self._raw[rid] = current[i]
+            survivals.append(torch.cumprod(smoothed, 0))
+        live = torch.where(held, torch.stack(survivals), 0.0)
+        for i, rid in enumerate(request_ids):
+            self._live[rid] = live[i]
+        self._publish(request_ids, live)
+
+    def _publish(self, request_ids: list[str], live: torch.Tensor) -> None:
+        self._step += 1
+        if live.is_cuda:
+            host = torch.empty(live.shape, dtype=live.dtype, pin_memory=True)
+            host.copy_(live, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._copies.append(_Copy(self._step, request_ids, host, event))
+        else:
+            self._copies.append(_Copy(self._step, request_ids, live.clone(), None))
+
+    def _harvest(self) -> None:
+        """Take in the copies older than the newest one whose transfer has finished (never waits)."""
+        while len(self._copies) > 1 and (self._copies[0].event is None or self._copies[0].event.query()):
+            copy = self._copies.popleft()
+            for i, rid in enumerate(copy.request_ids):
+                if rid in self._smoothed:  # not released meanwhile
+                    self._stale[rid] = copy.host[i].double()
+            held = copy.host[copy.host[:, 0] > 0].double()
+            if held.numel():  # requests without a stale row start from the recent mean
+                self._prior = 0.9 * self._prior + 0.1 * held.mean(dim=0)
+
+    # ---- 2. after scheduling ------------------------------------------------------------------------------------
+
+    def plan(self, sched: SchedulerOutput) -> None:
+        """Cut each scheduled request's drafts to the number it verifies this step (adaptive modes)."""
+        items = [s for s in sched.scheduled if s.spec_token_ids]
+        if not items:
+            self._predicted_ms = None
+            return
+        caps = [len(s.spec_token_ids) for s in items]
+        num_other = sched.num_tokens - sum(caps)
+        num_sampling = sum(1 for s in sched.scheduled if s.samples)
+        if self.adaptive:
+            assert self.cost is not None
+            live = torch.stack([self._live[s.request.request_id] for s in items])
+            cap_t = torch.tensor(caps, dtype=torch.int64, device=live.device)
+            if self.mode == "async":
+                self._harvest()
+                stale = torch.stack([self._stale.get(s.request.request_id, self._prior) for s in items])
+                stale = torch.where(torch.arange(self.k)[None, :] < torch.tensor(caps)[:, None], stale, 0.0)
+                budget = choose_budget(stale, num_sampling, num_other, self.cost)
+                counts = allocate(live, budget, cap_t).tolist()
+            else:
+                counts = choose_budget_sync(live, num_sampling, num_other, self.cost, cap_t).tolist()
+            for s, n in zip(items, counts, strict=True):
+                s.num_new_tokens -= len(s.spec_token_ids) - n
+                s.spec_token_ids = s.spec_token_ids[:n]
+            self.num_planned_steps += 1
+            self.sum_budget += sum(counts)
+            self._predicted_ms = self.cost.step_ms(num_sampling, num_other + sum(counts))
+        else:
+            self._predicted_ms = None
+        for s in items:
+            self.verify_len_hist[len(s.spec_token_ids)] += 1
+
+    def step_started(self) -> None:
+        if self._predicted_ms is None:
+            return
+        if self.device.type == "cuda":
+            self._step_start = torch.cuda.Event(enable_timing=True)
+            self._step_start.record()
+        else:
+            self._step_start = time.perf_counter()
+
+    def step_finished(self) -> None:
+        """After the step's drafting: the measured time of the step, against what the cost model predicted."""
+        if self._predicted_ms is None or self._step_start is None:
+            return
+        if isinstance(self._step_start, torch.cuda.Event):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.timing.pending.append((self._predicted_ms, self._step_start, end))
+            self.timing.harvest()
+        else:
+            self.timing.add(self._predicted_ms, (time.perf_counter() - self._step_start) * 1e3)
+        self._step_start = None
+
+    # ---- 3. after verifying -------------------------------------------------------------------------------------
+
+    def record(self, request_id: str, num_verified: int, num_accepted: int) -> dict[str, object] | None:
+        """One request's verified block: returns its trace record (raw confidences, counts)."""
+        live = self._live.pop(request_id, None)
+        raw = self._raw.pop(request_id, None)
+        if live is None or raw is None:
+            return None
+        s = self._stratum.get(request_id, 0)
+        positions = torch.arange(self.k)
+        reached = (positions < num_verified) & (positions <= num_accepted)
+        self.reached[s] += reached.double()
+        self.accepted[s] += (positions < num_accepted).double()
+        if num_verified:
+            self.calibration.add(live[:num_verified].double().cpu(), num_accepted)
+        num_drafts = int((live > 0).sum())
+        return {
+            "id": request_id,
+            "confidences": [round(c, 6) for c in raw[:num_drafts].tolist()],
+            "stratum": s,
+            "num_drafts": num_drafts,
+            "num_verified": num_verified,
+            "num_accepted": num_accepted,
+        }
+
+    def drop_drafts(self, request_id: str) -> None:
+        """The request's pending drafts were dropped (preemption); its smoothing history stays."""
+        self._live.pop(request_id, None)
+        self._raw.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """The request finished: forget everything about it (the EMA restarts for a new request)."""
+        for table in (self._smoothed, self._live, self._raw, self._stratum, self._stale):
+            table.pop(request_id, None)
+
+    def metrics(self) -> dict[str, object]:
+        cal, t = self.calibration, self.timing
+        if self.device.type == "cuda":
+            t.harvest()
+        return {
+            "adaptive_verification_mode": self.mode,
+            "spec_decode_verify_budget_mean": self.sum_budget / self.num_planned_steps if self.num_planned_steps else 0,
+            "spec_decode_verify_len_hist": list(self.verify_len_hist),
+            "spec_decode_predicted_accepted_tokens": cal.predicted,
+            "spec_decode_realised_accepted_tokens": cal.realised,
+            "spec_decode_calibration_error": cal.ece,
+            "spec_decode_cost_model_error": t.sum_relative_error / t.num_steps if t.num_steps else 0.0,
+            "spec_decode_cost_model_abs_error": t.sum_abs_relative_error / t.num_steps if t.num_steps else 0.0,
+        }
