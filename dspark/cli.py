@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import shlex
 import sys
 from pathlib import Path
 from typing import Any, TextIO
 
 from dspark import __version__
-from dspark.config import DEVICES, DTYPES, MAX_LOGPROBS, EngineConfig, SamplingParams
+from dspark.config import DEVICES, DTYPES, MAX_LOGPROBS, EngineConfig, SamplingParams, SpeculativeConfig
 from dspark.errors import ConfigError, DSparkError
 from dspark.llm import LLM
 from dspark.models.registry import DEFAULT_MODEL
@@ -368,6 +369,44 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
+
+    from dspark.bench.profile import markdown_table, plot
+    from dspark.engine.engine import LLMEngine
+    from dspark.worker.profiler import cost_model_path
+
+    output, plot_path = output_path(args.output_json), output_path(args.output_plot)
+    config = engine_config(args)
+    spec = config.spec or SpeculativeConfig(method="ngram")
+    config.speculative_config = dataclasses.replace(spec, enable_adaptive_verification=True)
+    saved = os.environ.get("DSPARK_COST_MODELS")
+    with tempfile.TemporaryDirectory() as fresh:
+        if args.force:  # profile into an empty cache, then replace the cached profile with the new one
+            os.environ["DSPARK_COST_MODELS"] = fresh
+        try:
+            engine = LLMEngine(config)
+        finally:
+            if args.force:
+                os.environ.pop("DSPARK_COST_MODELS")
+                if saved is not None:
+                    os.environ["DSPARK_COST_MODELS"] = saved
+    assert engine.planner is not None and engine.planner.cost is not None
+    cost = engine.planner.cost
+    cached = cost_model_path(cost.key)
+    if args.force:
+        cost.save(cached)
+    print(markdown_table(cost))
+    print(f"cached at {cached}")
+    if output is not None:
+        cost.save(output)
+    if plot_path is not None:
+        key = cost.key
+        plot(cost, plot_path, f"{config.model} {key.get('dtype', '')} on {key.get('device', '')}, K={key.get('K')}")
+    return 0
+
+
 # ---- parser -------------------------------------------------------------------------------------------------------
 
 GENERATE_EPILOG = """\
@@ -390,6 +429,11 @@ examples:
   dspark bench spec --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --batch-size 1
   dspark bench spec --dataset-path gsm8k.jsonl --num-prompts 32 --batch-size 1 --batch-size 8 --repeats 3 \\
       --speculative-config '{"method": "dspark", "model": "drafter/", "num_speculative_tokens": 7}'
+"""
+PROFILE_EPILOG = """\
+examples:
+  dspark profile --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --output-plot cost.png
+  dspark profile --speculative-config '{"method": "dspark", "model": "drafter/"}' --output-json cost.json --force
 """
 THROUGHPUT_EPILOG = """\
 Both arms get the same prompt token ids, decode greedily and produce exactly --output-len tokens per prompt; the
@@ -538,6 +582,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-json", metavar="PATH", help="write the results here")
     add_engine_args(sp, max_num_seqs=False)
     sp.set_defaults(func=cmd_bench_spec)
+
+    from dspark.bench.sweep import add_parser as add_sweep
+
+    add_sweep(benches, _Formatter)
+
+    prof = commands.add_parser(
+        "profile",
+        help="profile (or show the cached) step-cost curves adaptive verification plans with",
+        description="Build the engine with a speculative config (adaptive verification on), which profiles the target\n"
+        "step by token count and the draft step by request count (or loads them from $DSPARK_CACHE/cost_models),\n"
+        "then print the points and optionally write them as JSON and a plot.",
+        epilog=PROFILE_EPILOG,
+        formatter_class=_Formatter,
+    )
+    g = prof.add_argument_group("profile")
+    g.add_argument("--force", action="store_true", help="profile again even when a cached profile matches")
+    g.add_argument("--output-json", metavar="PATH", help="write the cost model here (a file `dspark simulate` reads)")
+    g.add_argument("--output-plot", metavar="PATH", help="write the curves here (PNG)")
+    add_engine_args(prof)
+    prof.set_defaults(func=cmd_profile)
+
+    from dspark.bench.simulate import add_parser as add_simulate
+
+    add_simulate(commands, _Formatter)
     return parser
 
 
@@ -549,6 +617,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help / --version (0), or a usage error argparse has already printed (2)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     args.command_line = shlex.join(["dspark", *argv])
+    log = logging.getLogger("dspark")  # one-off notices, e.g. start-up profiling, on stderr
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler(sys.stderr))
+        log.setLevel(logging.INFO)
     try:
         return args.func(args)
     except DSparkError as e:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from dspark.train.calibrate import (
@@ -59,3 +61,53 @@ def test_sts_preserves_the_order_of_confidences_at_each_position() -> None:
     c = torch.sigmoid(logits[:, 0])
     assert torch.equal(torch.argsort(a[:, 0]), torch.argsort(c))  # position 1: a monotone map of the raw confidence
     assert (a[:, 1] <= a[:, 0]).all()
+
+
+def test_calibrate_drafter_from_a_fixed_k_trace(tmp_path: Path) -> None:
+    """A trace whose confidences are sigmoid(logit) while drafts truly survive with sigmoid(logit / T_k): the fitted
+    temperatures land in the drafter's config (where the loader reads them) and cut the survival ECE."""
+    import json
+
+    from dspark.models.config import ModelConfig
+    from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
+    from dspark.spec.dspark.config import DSparkConfig
+    from dspark.train.calibrate import calibrate_drafter
+
+    true_temps = [2.0, 0.5, 1.5, 1.0]
+    logits, num_accepted = _synthetic(4000, true_temps, seed=5)
+    lines = [json.dumps({"type": "header", "K": 4})]
+    for i in range(len(logits)):
+        conf = torch.sigmoid(logits[i]).tolist()
+        block = {"id": f"r{i}", "confidences": conf, "num_drafts": 4, "num_verified": 4}
+        lines.append(
+            json.dumps({"type": "step", "step": i, "requests": [{**block, "num_accepted": int(num_accepted[i])}]})
+        )
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+
+    target = ModelConfig(
+        family="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
+    )
+    cfg = DSparkConfig.for_target(target, num_layers=1, block_size=6, num_taps=1, markov_rank=4)
+    drafter = save_drafter(random_drafter(cfg, seed=0), tmp_path / "drafter")
+    report = calibrate_drafter(trace, drafter)
+    assert report["num_blocks"] == 4000
+    assert report["ece_after"] < 0.02 < report["ece_before"]
+    temps = report["temperatures"]
+    assert abs(temps[0] - 2.0) < 0.3 and abs(temps[1] - 0.5) < 0.15
+    loaded = DSparkConfig.from_json(json.loads((drafter / "config.json").read_text()), "test")
+    assert loaded.sts_temperatures is not None and list(loaded.sts_temperatures[:4]) == temps
+    assert loaded.sts_temperatures[4:] == (1.0, 1.0)  # past the trace's K: untouched

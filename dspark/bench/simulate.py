@@ -16,6 +16,7 @@ uniforms decide every policy's outcome); the step costs cost.step_ms(R, R + sum 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import sys
@@ -30,7 +31,14 @@ from tqdm import tqdm
 
 from dspark.errors import ConfigError, DSparkError
 from dspark.spec.cost_model import CostModel
-from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, smooth_confidences, survival
+from dspark.spec.scheduling import (
+    allocate,
+    choose_budget,
+    choose_budget_sync,
+    drafting_pays,
+    smooth_confidences,
+    survival,
+)
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 EMA_ALPHAS = (0.0, 0.5, 0.8, 0.9)
@@ -71,9 +79,9 @@ def load_trace(path: str | Path) -> Trace:
     """Read a JSONL trace: a header line, then one line per engine step (format in DESIGN.md / the engine's flag)."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise TraceError(path, 0, f"cannot be read ({e.strerror})") from None
+        lines = (gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()).splitlines()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise TraceError(path, 0, f"cannot be read ({getattr(e, 'strerror', None) or e})") from None
     header: dict[str, Any] | None = None
     streams: dict[str, list[Block]] = {}
     censored = 0
@@ -257,6 +265,27 @@ def _prior_conditionals(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tenso
     return torch.where(before > 0, prior / before.clamp(min=1e-300), 0.0)
 
 
+def _drafts_at_all(policies: Sequence[str], step: StepInputs, counts: torch.Tensor, cost: CostModel) -> torch.Tensor:
+    """[P] whether each policy runs the drafter this step. The adaptive modes ask drafting_pays on stale survivals
+    (as the engine does); SmartSpec drafts unless its batch-wide k is 0; the oracle drafts only when its known-good
+    drafts beat no speculation; fixed k always drafts, no-spec never."""
+    num_reqs = step.num_drafts.numel()
+    out = []
+    for name, c in zip(policies, counts, strict=True):
+        if name == "no-spec":
+            out.append(False)
+        elif name in ("adaptive-async", "adaptive-sync"):
+            out.append(drafting_pays(step.stale, num_reqs, cost))
+        elif name == "smartspec":
+            out.append(bool(c.sum() > 0))
+        elif name == "oracle":
+            tokens = num_reqs + int(c.sum())
+            out.append(tokens / cost.step_ms(num_reqs, tokens) > num_reqs / cost.step_ms(0, num_reqs))
+        else:
+            out.append(True)
+    return torch.tensor(out)
+
+
 class _TabulatedCost(CostModel):
     """The same curves, read from a table of every token count a simulation can reach: a simulation asks for the
     same few costs hundreds of thousands of times."""
@@ -342,8 +371,10 @@ def simulate_policies(
             continue
         step = StepInputs(live, stale, num_drafts, accepted)
         counts = torch.stack([policy(step, cost).to(torch.int64) for _, policy in chosen])  # [P, R]
+        drafts = _drafts_at_all(policies, step, counts, cost)  # [P] bool: a policy may skip the drafter's pass
+        counts = counts * drafts[:, None]
         verified = counts.sum(dim=1)  # [P]
-        sums["ms"] += draft_ms + cost.verify_table[concurrency + verified]
+        sums["ms"] += draft_ms * drafts + cost.verify_table[concurrency + verified]
         sums["verified"] += verified
         sums["pred"] += (live[None] * (positions[None, None, :] < counts[:, :, None])).sum(dim=(1, 2))
         sums["real"] += torch.minimum(counts, accepted[None, :]).sum(dim=1)

@@ -326,7 +326,7 @@ class LLMEngine:
                     and req.sampling_params.max_speculative_tokens != 0
                 ):
                     drafting.append(req)
-        if drafting:
+        if drafting and (self.planner is None or self.planner.should_draft([r.request_id for r in drafting])):
             self._draft(drafting)
         if self.planner is not None:
             self.planner.step_finished()

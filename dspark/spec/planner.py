@@ -28,7 +28,7 @@ import torch
 
 from dspark.engine.scheduler import SchedulerOutput
 from dspark.spec.cost_model import CostModel
-from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, smooth_confidences
+from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, drafting_pays, smooth_confidences
 from dspark.train.calibrate import NUM_BINS
 
 MIN_CONFIDENCE = 1e-4  # a held draft keeps a positive survival: 0 means "no draft here" to allocate
@@ -123,6 +123,7 @@ class VerificationPlanner:
         self.calibration = CalibrationMonitor()
         self.timing = StepTiming()
         self.num_planned_steps = 0
+        self.num_steps_without_drafting = 0  # steps where drafting would not have paid (high load)
         self.sum_budget = 0
         self.verify_len_hist = [0] * (num_spec_tokens + 1)  # requests that verified l drafts in a step, l = 0..K
         self._predicted_ms: float | None = None
@@ -190,6 +191,18 @@ class VerificationPlanner:
             held = copy.host[copy.host[:, 0] > 0].double()
             if held.numel():  # requests without a stale row start from the recent mean
                 self._prior = 0.9 * self._prior + 0.1 * held.mean(dim=0)
+
+    def should_draft(self, request_ids: list[str]) -> bool:
+        """Adaptive modes: whether drafting for these requests pays at all (scheduling.drafting_pays), from their
+        stale survivals (the last known for requests that have not drafted lately) and a decode step of them."""
+        if not self.adaptive or not request_ids:
+            return True
+        assert self.cost is not None
+        self._harvest()
+        stale = torch.stack([self._stale.get(rid, self._prior) for rid in request_ids])
+        pays = drafting_pays(stale, len(request_ids), self.cost)
+        self.num_steps_without_drafting += not pays
+        return pays
 
     # ---- 2. after scheduling ------------------------------------------------------------------------------------
 
@@ -290,6 +303,7 @@ class VerificationPlanner:
             "adaptive_verification_mode": self.mode,
             "spec_decode_verify_budget_mean": self.sum_budget / self.num_planned_steps if self.num_planned_steps else 0,
             "spec_decode_verify_len_hist": list(self.verify_len_hist),
+            "spec_decode_num_steps_without_drafting": self.num_steps_without_drafting,
             "spec_decode_predicted_accepted_tokens": cal.predicted,
             "spec_decode_realised_accepted_tokens": cal.realised,
             "spec_decode_calibration_error": cal.ece,

@@ -132,3 +132,24 @@ def flat_layout(
     positions = num_computed.to(torch.int64)[owner] + offset
     blocks = block_tables.to(torch.int64)[owner, positions // block_size]
     return query_start.to(torch.int32), positions, blocks * block_size + positions % block_size
+
+
+def drafting_pays(
+    survival: torch.Tensor,  # [R, K] host, stale (or last known) survivals of the requests about to draft
+    num_other_tokens: int,  # T of the step the drafts would be verified in
+    cost: CostModel,
+    margin: float = 0.05,
+) -> bool:
+    """Whether drafting for these requests is worth its cost at all: the best budget's tokens per millisecond, drafting
+    paid, against no speculation (no drafter pass, no drafts). At high load the drafter's own pass can cost more than
+    the few drafts worth verifying return; then the engine does not draft (and so never falls below no speculation).
+    The decision reads only stale survivals and the load, never a live draft, so it keeps verification lossless.
+    Drafting stops only when no speculation is better by more than `margin`: with few requests the stale survivals
+    are one noisy block each, and a wrong stop loses a whole step's drafts."""
+    num_reqs = survival.shape[0]
+    if num_reqs == 0:
+        return False
+    budget = choose_budget(survival, num_reqs, num_other_tokens, cost)
+    gain = num_reqs + float(torch.sort(survival.flatten().double(), descending=True).values[:budget].sum())
+    with_drafts = gain / cost.step_ms(num_reqs, num_other_tokens + budget)
+    return with_drafts * (1.0 + margin) > num_reqs / cost.step_ms(0, num_other_tokens)

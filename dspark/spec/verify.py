@@ -55,6 +55,9 @@ def verify(
     expected = sum(len(r.draft_tokens) + 1 for r in rows)
     if target_probs.shape[0] != expected:
         raise ValueError(f"target_probs has {target_probs.shape[0]} rows, the drafts need {expected}")
+    num_drafts = sum(len(r.draft_tokens) for r in rows)
+    if draft_probs is not None and method == "probabilistic" and draft_probs.shape[0] != num_drafts:
+        raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows, the drafts need {num_drafts}")
     # NOTE: everything a row's decisions read is gathered up front (one device-to-host copy each), so the loop below
     # runs on host values; only a rejection's residual and a non-greedy bonus touch the device again, once a request.
     tops = target_probs.argmax(dim=-1).tolist()

@@ -8,6 +8,9 @@ positions' temperatures already fixed. A positive temperature keeps each positio
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 DEFAULT_GRID = torch.logspace(-1.0, 1.0, 81, dtype=torch.float64)  # T in [0.1, 10]
@@ -53,3 +56,41 @@ def calibrated_survival(logits: torch.Tensor, temperatures: list[float]) -> torc
     """[N, K] logits -> [N, K] survivals a_k = prod_{i<=k} sigmoid(logit_i / T_i)."""
     t = torch.tensor(temperatures, dtype=torch.float64)
     return torch.cumprod(torch.sigmoid(logits.double() / t), dim=-1)
+
+
+def logits_from_confidences(confidences: torch.Tensor, temperatures: list[float] | None = None) -> torch.Tensor:
+    """Invert the drafter's c = sigmoid(logit / T): recorded (calibrated) confidences -> the head's raw logits."""
+    c = confidences.double().clamp(1e-12, 1 - 1e-12)
+    t = torch.tensor(temperatures or [1.0] * c.shape[1], dtype=torch.float64)[: c.shape[1]]
+    return torch.logit(c) * t
+
+
+def calibrate_drafter(trace_path: Path, drafter_dir: Path) -> dict[str, object]:
+    """Fit STS on the fully verified blocks of a fixed-k trace (held-out prompts, recorded with this drafter: its
+    confidences and how many drafts survived), store the temperatures in the drafter's config.json, and report the
+    survival ECE before and after."""
+    from dspark.bench.simulate import load_trace
+
+    trace = load_trace(trace_path)
+    blocks = [b for stream in trace.streams.values() for b in stream if b.num_drafts == trace.K]
+    if not blocks:
+        raise ValueError(f"{trace_path}: no block with all {trace.K} drafts verified; record the trace with fixed k")
+    config_path = drafter_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    # Our checkpoints keep the drafter's own keys under "dspark_config"; a top-level key overrides it on load.
+    nested = config.get("dspark_config") if isinstance(config.get("dspark_config"), dict) else None
+    old = config.get("sts_temperatures", (nested or {}).get("sts_temperatures"))
+    block_size = int(config.get("block_size", trace.K))
+    conf = torch.tensor([b.confidences for b in blocks], dtype=torch.float64)
+    logits = logits_from_confidences(conf, old)
+    survived = survival_outcomes(torch.tensor([b.accepted for b in blocks]), trace.K)
+    temps = fit_sts(logits, survived)
+    before = expected_calibration_error(calibrated_survival(logits, (old or [1.0] * block_size)[: trace.K]), survived)
+    after = expected_calibration_error(calibrated_survival(logits, temps), survived)
+    # Positions past the trace's K keep their temperature (1 if none was fitted before).
+    config.pop("sts_temperatures", None)
+    (nested if nested is not None else config)["sts_temperatures"] = temps + list(
+        (old or [1.0] * block_size)[trace.K :]
+    )
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    return {"num_blocks": len(blocks), "temperatures": temps, "ece_before": before, "ece_after": after}

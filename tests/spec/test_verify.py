@@ -117,6 +117,9 @@ def test_bad_arguments() -> None:
         verify(p, None, [VerifyRow(0, 0, [1])], "probabilistic")
     with pytest.raises(ValueError, match="rows"):
         verify(p, None, [VerifyRow(0, 0, [1, 2])], "strict")
+    # A zero-draft request must not contribute a draft row: misaligned rows would bias every later request.
+    with pytest.raises(ValueError, match="draft_probs has 2 rows, the drafts need 1"):
+        verify(torch.eye(V)[:3], torch.eye(V)[:2], [VerifyRow(0, 0, []), VerifyRow(0, 0, [1])], "probabilistic")
 
 
 # One ragged batch: request l verifies l drafts (l = 0..4), each position with its own (target, draft) pair.
