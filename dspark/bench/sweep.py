@@ -1,0 +1,562 @@
+"""`dspark bench sweep`: no speculation, fixed k and adaptive verification, across concurrencies, in one run.
+
+Offline: one fixed prompt set in a fixed order (the built-in set, or --dataset-path files interleaved), every request
+decodes exactly `output_len` tokens (ignore_eos: the work per request is the same for every arm, so tokens/s compare
+like with like; acceptance is measured on what the model writes past EOS too). Each arm's engine is built once per
+round with max_num_seqs = the largest concurrency and reused for every row; concurrency C means at most C requests in
+the engine: C are submitted, and another whenever one finishes, until the row's prompts are done. Rows start with a
+cold prefix cache. Per request, sampled rows draw with seed = the request's index in the row, the same in every arm.
+
+A row is (arm, concurrency, temperature). Its counters are deltas of engine.get_metrics() over the row:
+- acceptance_length = 1 + accepted drafts / drafts (vLLM's);
+- mean_verify_len = drafts verified per request-step: a request-step emits its accepted drafts plus one token, so
+  request-steps = output tokens - accepted drafts, and steps that verified nothing (the prefill's token, steps after
+  adaptive verification chose none) count as 0.
+With --repeats R the arms alternate round by round (each round builds every arm's engine again); every key of a row
+is its median round's (by output throughput; the lower middle one for even R), rounds_output_throughput lists all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dspark.bench.prompts import BUILTIN_PROMPTS
+from dspark.bench.throughput import drain, machine_info, read_jsonl_prompts, tokenize
+from dspark.cli import add_engine_args, engine_config, write_json
+from dspark.config import MAX_SPECULATIVE_TOKENS, EngineConfig, SamplingParams, SpeculativeConfig
+from dspark.engine.engine import LLMEngine
+from dspark.errors import ConfigError
+from dspark.llm import LLM
+from dspark.outputs import RequestOutput
+
+ARMS = ("no-spec", "fixed-1", "fixed-3", "fixed-5", "fixed-7", "adaptive")
+CONCURRENCIES = (1, 16, 32, 64, 128, 256, 512, 1024)
+TEMPERATURES = (1.0, 0.0)
+ADAPTIVE_K = 7  # the adaptive arm's cap on drafts per request and step: the largest default fixed k
+MIN_PROMPTS = 16
+WARMUP_TOKENS = 4
+COUNTERS = (
+    "num_preemptions",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "spec_decode_num_steps_without_drafting",
+)
+RowKey = tuple[str, int, float]  # (arm, concurrency, temperature)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    k: int | None  # fixed drafts per request and step; None: no-spec, or adaptive (up to the config's k, else 7)
+    adaptive: bool = False
+
+    def config(self, base: EngineConfig, spec: SpeculativeConfig) -> EngineConfig:
+        if self.name == "no-spec":
+            return dataclasses.replace(base, speculative_config=None)
+        k = self.k or spec.num_speculative_tokens or ADAPTIVE_K
+        arm_spec = dataclasses.replace(spec, num_speculative_tokens=k, enable_adaptive_verification=self.adaptive)
+        return dataclasses.replace(base, speculative_config=arm_spec)
+
+
+def parse_arm(name: str) -> Arm:
+    if name in ("no-spec", "adaptive"):
+        return Arm(name, None, adaptive=name == "adaptive")
+    k = name.removeprefix("fixed-")
+    if k != name and k.isdigit() and 1 <= int(k) <= MAX_SPECULATIVE_TOKENS:
+        return Arm(name, int(k))
+    raise ConfigError("arm", name, f"one of no-spec, fixed-K (K in 1..{MAX_SPECULATIVE_TOKENS}), adaptive")
+
+
+def sweep_prompts(dataset_paths: list[str]) -> list[str]:
+    """The prompt set in its fixed order: the built-in set shuffled once with seed 0 (so any prefix mixes math, code
+    and chat), or the files' prompts interleaved (the first of each file, then the second, ...)."""
+    if not dataset_paths:
+        prompts = list(BUILTIN_PROMPTS)
+        random.Random(0).shuffle(prompts)
+        return prompts
+    sources = [read_jsonl_prompts(Path(p)) for p in dataset_paths]
+    return [s[i] for i in range(max(len(s) for s in sources)) for s in sources if i < len(s)]
+
+
+def num_prompts_for(concurrency: int, num_prompts: int | None) -> int:
+    """Prompts of a row: the given number, else two waves of the concurrency and at least MIN_PROMPTS."""
+    return num_prompts if num_prompts is not None else max(2 * concurrency, MIN_PROMPTS)
+
+
+@dataclass
+class Round:
+    elapsed_s: float
+    num_input_tokens: int
+    num_output_tokens: int
+    max_in_flight: int
+    ttft_s: list[float]
+    tpot_s: list[float]  # requests with more than one output token
+    e2el_s: list[float]
+    counters: dict[str, float]  # COUNTERS' deltas over the round, plus the planner's budget sum and step count
+
+    @property
+    def output_throughput(self) -> float:
+        return self.num_output_tokens / self.elapsed_s
+
+
+def run_row(
+    engine: LLMEngine, prompt_ids: list[list[int]], params: SamplingParams, concurrency: int, label: str
+) -> tuple[Round, list[list[int]]]:
+    """The prompts through the engine with at most `concurrency` in flight; the round and the outputs in order."""
+    engine.kv.reset_prefix_cache()  # every row starts cold
+    before = _counters(engine)
+    bar = tqdm(total=len(prompt_ids) * (params.max_tokens or 0), desc=label, unit="tok", file=sys.stderr, leave=False)
+    ids: list[str] = []
+    final: dict[str, RequestOutput] = {}
+
+    def submit() -> None:
+        i = len(ids)
+        ids.append(engine.add_request(prompt_ids[i], dataclasses.replace(params, seed=i)))
+
+    start = time.perf_counter()
+    while len(ids) < min(concurrency, len(prompt_ids)):
+        submit()
+    max_in_flight = engine.num_unfinished_requests
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            bar.update(len(out.new_token_ids))
+            if out.finished:
+                final[out.request_id] = out
+                if len(ids) < len(prompt_ids):
+                    submit()
+        max_in_flight = max(max_in_flight, engine.num_unfinished_requests)
+    elapsed = time.perf_counter() - start
+    bar.close()
+    after = _counters(engine)
+    outs = [final[i] for i in ids]
+    ttft, tpot, e2el = [], [], []
+    for out in outs:
+        m = out.metrics
+        assert m.first_token_time is not None and m.finished_time is not None
+        ttft.append(m.first_token_time - m.arrival_time)
+        e2el.append(m.finished_time - m.arrival_time)
+        if m.num_generation_tokens > 1:
+            tpot.append((e2el[-1] - ttft[-1]) / (m.num_generation_tokens - 1))
+    token_ids = [o.outputs[0].token_ids for o in outs]
+    round_ = Round(
+        elapsed,
+        sum(len(p) for p in prompt_ids),
+        sum(len(t) for t in token_ids),
+        max_in_flight,
+        ttft,
+        tpot,
+        e2el,
+        {k: after[k] - before[k] for k in after},
+    )
+    return round_, token_ids
+
+
+def _counters(engine: LLMEngine) -> dict[str, float]:
+    metrics = engine.get_metrics()
+    counters = {k: metrics.get(k, 0) for k in COUNTERS}
+    # NOTE: get_metrics() has the verify budget as a mean over the engine's life; its sum and step count give a row's.
+    planner = engine.planner
+    counters["verify_budget_sum"] = planner.sum_budget if planner is not None else 0
+    counters["num_planned_steps"] = planner.num_planned_steps if planner is not None else 0
+    return counters
+
+
+@dataclass
+class Sweep:
+    result: dict[str, Any]  # what --output-json writes
+    token_ids: dict[RowKey, list[list[int]]]  # each row's outputs in prompt order, last round (not in the JSON)
+
+
+def run_sweep(
+    config: EngineConfig,
+    *,
+    arms: list[str] | None = None,
+    concurrencies: list[int] | None = None,
+    temperatures: list[float] | None = None,
+    output_len: int = 256,
+    num_prompts: int | None = None,
+    dataset_paths: list[str] | None = None,
+    chat: bool = True,
+    repeats: int = 1,
+    hf: bool = False,
+    command: str = "",
+) -> Sweep:
+    """Every arm at every concurrency and temperature. config.speculative_config is the method and drafter of the
+    speculative arms (default: n-gram); config.max_num_seqs is replaced by the largest concurrency."""
+    if hf:
+        raise ConfigError("hf", hf, "the Hugging Face arm of bench sweep is not built yet; run without --hf")
+    arm_list = [parse_arm(a) for a in dict.fromkeys(arms or ARMS)]
+    for c in concurrencies or ():
+        _check_positive("concurrency", c)
+    concs = sorted(set(concurrencies or CONCURRENCIES))
+    temps = list(dict.fromkeys(TEMPERATURES if temperatures is None else temperatures))
+    if not temps:
+        raise ConfigError("temperature", temps, "give at least one")
+    for t in temps:
+        SamplingParams(temperature=t)  # names the field if it is out of range
+    _check_positive("output_len", output_len)
+    _check_positive("repeats", repeats)
+    if num_prompts is not None:
+        _check_positive("num_prompts", num_prompts)
+    prompts = sweep_prompts(dataset_paths or [])
+    sizes = {c: num_prompts_for(c, num_prompts) for c in concs}
+    base = dataclasses.replace(config, max_num_seqs=max(concs))
+    spec = config.spec or SpeculativeConfig(method="ngram")
+
+    rounds: dict[RowKey, list[Round]] = {}
+    token_ids: dict[RowKey, list[list[int]]] = {}
+    set_ids: list[list[int]] = []
+    arm_configs: dict[str, Any] = {}
+    device = dtype = ""
+    for r in range(repeats):
+        for arm in arm_list:
+            arm_config = arm.config(base, spec)
+            llm = LLM(**dataclasses.asdict(arm_config))
+            engine = llm.engine
+            if not set_ids:  # tokenized once, for every arm: the prompts the largest row uses
+                set_ids = tokenize(llm, prompts[: max(sizes.values())], chat)
+                _check_fits(set_ids, output_len, engine.max_model_len)
+                device, dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
+            arm_configs[arm.name] = dataclasses.asdict(arm_config.spec) if arm_config.spec else None
+            warm = [SamplingParams(temperature=t, max_tokens=WARMUP_TOKENS, ignore_eos=True, seed=0) for t in temps]
+            for p in warm:
+                engine.add_request(set_ids[0], p)
+            drain(engine)
+            for t in temps:
+                params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True)
+                for c in concs:
+                    row_ids = [set_ids[i % len(set_ids)] for i in range(sizes[c])]
+                    label = f"{arm.name} C={c} T={t} r{r + 1}"
+                    round_, token_ids[arm.name, c, t] = run_row(engine, row_ids, params, c, label)
+                    rounds.setdefault((arm.name, c, t), []).append(round_)
+                    print(f"{label}: {round_.output_throughput:.1f} tok/s", file=sys.stderr)
+            del llm, engine
+            gc.collect()  # NOTE: the next arm's engine sizes its KV cache from the memory this one frees
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+    rows = [_row(a, c, t, rounds[a.name, c, t]) for t in temps for c in concs for a in arm_list]
+    for row in rows:
+        base_ids = token_ids.get(("no-spec", row["concurrency"], row["temperature"]))
+        if row["temperature"] == 0 and base_ids is not None:
+            mine = token_ids[row["arm"], row["concurrency"], row["temperature"]]
+            row["identical_to_no_spec"] = f"{sum(a == b for a, b in zip(mine, base_ids, strict=True))}/{len(mine)}"
+    result = {
+        "command": command,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": device,
+        "dtype": dtype,
+        "machine": machine_info(torch.device(device)),  # at the end: its load average covers the run
+        "config": {
+            "model": config.model,
+            "engine": dataclasses.asdict(dataclasses.replace(base, speculative_config=None)),
+            "arms": arm_configs,
+            "dataset": dataset_paths or "builtin",
+            "num_unique_prompts": len(set_ids),
+            "num_prompts": {str(c): n for c, n in sizes.items()},
+            "output_len": output_len,
+            "ignore_eos": True,
+            "concurrencies": concs,
+            "temperatures": temps,
+            "chat": chat,
+            "repeats": repeats,
+        },
+        "rows": rows,
+    }
+    return Sweep(result, token_ids)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(name, value, "must be a positive integer")
+
+
+def _check_fits(prompt_ids: list[list[int]], output_len: int, max_model_len: int) -> None:
+    longest = max(len(p) for p in prompt_ids)
+    if longest + output_len > max_model_len:
+        raise ConfigError(
+            "output_len",
+            output_len,
+            f"the longest prompt ({longest} tokens) plus output_len must fit max_model_len={max_model_len}",
+        )
+
+
+def _ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    a = np.asarray(values) * 1e3
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+
+
+def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) -> dict[str, Any]:
+    r = sorted(rounds, key=lambda x: x.output_throughput)[(len(rounds) - 1) // 2]
+    d = r.counters
+    drafts, draft_tokens = d["spec_decode_num_drafts"], d["spec_decode_num_draft_tokens"]
+    accepted = d["spec_decode_num_accepted_tokens"]
+    spec = arm.name != "no-spec"
+    acceptance = 1 + accepted / drafts if spec and drafts else None
+    request_steps = r.num_output_tokens - accepted
+    completed = len(r.e2el_s)
+    row: dict[str, Any] = {
+        "arm": arm.name,
+        "concurrency": concurrency,
+        "temperature": temperature,
+        "output_throughput": r.output_throughput,
+        "rounds_output_throughput": [x.output_throughput for x in rounds],
+        "acceptance_length": acceptance,
+        "mean_verify_len": draft_tokens / request_steps if spec and request_steps else None,
+        "duration": r.elapsed_s,
+        "completed": completed,
+        "max_in_flight": r.max_in_flight,
+        "total_input_tokens": r.num_input_tokens,
+        "total_output_tokens": r.num_output_tokens,
+        "request_throughput": completed / r.elapsed_s,
+        "total_token_throughput": (r.num_input_tokens + r.num_output_tokens) / r.elapsed_s,
+    }
+    for name, values in (("ttft", r.ttft_s), ("tpot", r.tpot_s), ("e2el", r.e2el_s)):
+        row.update({f"{stat}_{name}_ms": v for stat, v in _ms(values).items()})
+    row.update(
+        {
+            "num_preemptions": d["num_preemptions"],
+            "spec_decode_acceptance_length": acceptance,
+            "spec_decode_num_drafts": drafts if spec else None,
+            "spec_decode_draft_tokens": draft_tokens if spec else None,
+            "spec_decode_accepted_tokens": accepted if spec else None,
+            "verify_budget_mean": (
+                d["verify_budget_sum"] / d["num_planned_steps"] if arm.adaptive and d["num_planned_steps"] else None
+            ),
+            "num_steps_without_drafting": d["spec_decode_num_steps_without_drafting"] if arm.adaptive else None,
+            # Greedy decoding must not change a token: "n/N" of this row's outputs equal no-spec's (temperature 0).
+            "identical_to_no_spec": None,
+        }
+    )
+    return row
+
+
+# ---- reporting ----------------------------------------------------------------------------------------------------
+
+
+def _by_row(result: dict[str, Any]) -> dict[tuple[float, int], dict[str, dict[str, Any]]]:
+    """(temperature, concurrency) -> arm -> row."""
+    table: dict[tuple[float, int], dict[str, dict[str, Any]]] = {}
+    for row in result["rows"]:
+        table.setdefault((row["temperature"], row["concurrency"]), {})[row["arm"]] = row
+    return table
+
+
+def adaptive_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
+    """Adaptive's output throughput over the best of no-spec and the fixed arms; None without both sides."""
+    baseline = [r["output_throughput"] for name, r in arms.items() if name == "no-spec" or name.startswith("fixed-")]
+    if "adaptive" not in arms or not baseline:
+        return None
+    return arms["adaptive"]["output_throughput"] / max(baseline)
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    arms = list(result["config"]["arms"])
+    table = _by_row(result)
+    ratios = any(adaptive_ratio(a) is not None for a in table.values())
+    head = ["T", "C", *(f"{a} tok/s" for a in arms)] + (["adaptive / max(no-spec, best fixed)"] if ratios else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for (t, c), by_arm in table.items():
+        cells = [f"{t:g}", str(c), *(f"{by_arm[a]['output_throughput']:.1f}" for a in arms)]
+        if ratios:
+            ratio = adaptive_ratio(by_arm)
+            cells.append("-" if ratio is None else f"{ratio:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    table = _by_row(result)
+    cfg = result["config"]
+    shape = (
+        f"{len(cfg['arms'])} arms x {len(cfg['concurrencies'])} concurrencies x {len(cfg['temperatures'])} "
+        f"temperatures, {cfg['output_len']} tokens per request, {result['dtype']} on {result['machine']['device_name']}"
+    )
+    ratios = {key: r for key, arms in table.items() if (r := adaptive_ratio(arms)) is not None}
+    if ratios:
+        (t_lo, c_lo), (t_hi, c_hi) = min(ratios, key=ratios.__getitem__), max(ratios, key=ratios.__getitem__)
+        return (
+            f"adaptive / max(no-spec, best fixed): median {statistics.median(ratios.values()):.2f}x, "
+            f"{ratios[t_lo, c_lo]:.2f}x (C={c_lo}, T={t_lo:g}) to {ratios[t_hi, c_hi]:.2f}x (C={c_hi}, T={t_hi:g}) "
+            f"over {len(ratios)} rows; {shape}"
+        )
+    wins: dict[str, int] = {}
+    for arms in table.values():
+        best = max(arms.values(), key=lambda r: r["output_throughput"])["arm"]
+        wins[best] = wins.get(best, 0) + 1
+    return f"fastest arm: {', '.join(f'{a} in {n}/{len(table)} rows' for a, n in wins.items())}; {shape}"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Output throughput by concurrency per arm (top) and drafts verified per request-step (bottom), one column of
+    panels per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms, temps = list(result["config"]["arms"]), result["config"]["temperatures"]
+    fig, axes = plt.subplots(2, len(temps), figsize=(5.5 * len(temps), 7.5), squeeze=False, sharex=True)
+    for j, t in enumerate(temps):
+        top, bottom = axes[0][j], axes[1][j]
+        for i, arm in enumerate(arms):
+            rows = [r for r in result["rows"] if r["arm"] == arm and r["temperature"] == t]
+            xs = [r["concurrency"] for r in rows]
+            top.plot(xs, [r["output_throughput"] for r in rows], "o-", color=f"C{i}", label=arm)
+            if arm != "no-spec":
+                bottom.plot(xs, [r["mean_verify_len"] for r in rows], "o-", color=f"C{i}", label=arm)
+        top.set_title(f"temperature {t:g}")
+        top.set_ylabel("output tokens/s")
+        bottom.set_ylabel("drafts verified per request-step")
+        bottom.set_xlabel("concurrency (requests in flight)")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(result["config"]["concurrencies"], [str(c) for c in result["config"]["concurrencies"]])
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{result['config']['model']}, {result['dtype']} on {result['machine']['device_name']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- command line -------------------------------------------------------------------------------------------------
+
+SWEEP_EPILOG = """\
+Concurrency C keeps at most C requests in one engine (built once per arm with max_num_seqs = the largest C); a row
+runs --num-prompts prompts (default: max(2C, 16)), each exactly --output-len tokens (EOS ignored). The table's cells
+are output tokens/s; the summary line reads:
+  adaptive / max(no-spec, best fixed): median <x>, <lowest> (C, T) to <highest> (C, T) over <rows> rows; <shape>
+
+examples:
+  dspark bench sweep --output-json out/sweep.json --output-plot out/sweep.png --output-md out/sweep.md
+  dspark bench sweep --arm no-spec --arm fixed-3 --arm adaptive --concurrency 1 8 32 --temperature 0 \\
+      --dataset-path gsm8k.jsonl --dataset-path mt-bench.jsonl --dataset-path humaneval.jsonl --repeats 3
+  dspark bench sweep --speculative-config '{"method": "dspark", "model": "drafter/"}' --output-len 128
+"""
+
+
+def add_parser(
+    subparsers: Any, formatter_class: type[argparse.HelpFormatter] = argparse.RawDescriptionHelpFormatter
+) -> argparse.ArgumentParser:
+    """Register `sweep` on the `bench` subparsers (cli.py passes its own formatter)."""
+    p = subparsers.add_parser(
+        "sweep",
+        help="no-spec, fixed k and adaptive verification by concurrency and temperature, in the same run",
+        description="Offline sweep: output tokens/s, acceptance length and drafts verified per request-step of each\n"
+        "arm at each concurrency and temperature, on a fixed prompt set in a fixed order.",
+        epilog=SWEEP_EPILOG,
+        formatter_class=formatter_class,
+    )
+    g = p.add_argument_group("sweep")
+    g.add_argument(
+        "--arm",
+        action="append",
+        metavar="ARM",
+        help=f"no-spec, fixed-K or adaptive (repeatable; default: {' '.join(ARMS)}); the speculative arms use "
+        f"--speculative-config's method (default: ngram); adaptive verifies up to its num_speculative_tokens, "
+        f"else {ADAPTIVE_K}",
+    )
+    g.add_argument(
+        "--concurrency",
+        metavar="C",
+        type=int,
+        nargs="+",
+        default=list(CONCURRENCIES),
+        help=f"most requests in flight of each row (default: {' '.join(map(str, CONCURRENCIES))})",
+    )
+    g.add_argument(
+        "--temperature",
+        metavar="T",
+        type=float,
+        nargs="+",
+        default=list(TEMPERATURES),
+        help="temperatures to run; 0 is greedy and checks that every arm's outputs equal no-spec's (default: 1 0)",
+    )
+    g.add_argument("--num-prompts", metavar="N", type=int, help=f"prompts per row (default: max(2 x C, {MIN_PROMPTS}))")
+    g.add_argument(
+        "--output-len",
+        metavar="L",
+        type=int,
+        default=256,
+        help="tokens generated per prompt, EOS ignored (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dataset-path",
+        action="append",
+        metavar="FILE.jsonl",
+        help="JSON lines with 'prompt', 'turns' or 'question' (repeatable, files interleaved; default: the built-in "
+        "set of math, code and chat prompts)",
+    )
+    g.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template (default: on)"
+    )
+    g.add_argument("--repeats", metavar="R", type=int, default=1, help="rounds, arms alternating (default: 1)")
+    g.add_argument(
+        "--hf",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also run Hugging Face transformers (not built yet; default: off)",
+    )
+    g.add_argument("--output-json", metavar="PATH", help="write the rows and the settings here")
+    g.add_argument("--output-plot", metavar="PATH", help="write the throughput and verify-length plot here (PNG)")
+    g.add_argument("--output-md", metavar="PATH", help="write the markdown table here")
+    add_engine_args(p, max_num_seqs=False)
+    p.set_defaults(func=cmd_bench_sweep)
+    return p
+
+
+def _output(value: str | None, field: str) -> Path | None:
+    """An output path, checked before a long run rather than after it."""
+    output = Path(value) if value else None
+    if output is not None and not output.parent.is_dir():
+        raise ConfigError(field, str(output), f"its directory {output.parent} does not exist")
+    return output
+
+
+def write_outputs(result: dict[str, Any], json_path: Path | None, plot_path: Path | None, md_path: Path | None) -> None:
+    write_json(json_path, result)
+    if plot_path is not None:
+        plot(result, plot_path)
+    if md_path is not None:
+        try:
+            md_path.write_text(markdown_table(result) + "\n\n" + summary_line(result) + "\n")
+        except OSError as e:
+            raise ConfigError("output_md", str(md_path), f"cannot be written ({e})") from None
+
+
+def cmd_bench_sweep(args: argparse.Namespace) -> int:
+    paths = [_output(getattr(args, f), f) for f in ("output_json", "output_plot", "output_md")]
+    sweep = run_sweep(
+        engine_config(args),
+        arms=args.arm,
+        concurrencies=args.concurrency,
+        temperatures=args.temperature,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        dataset_paths=args.dataset_path,
+        chat=args.chat,
+        repeats=args.repeats,
+        hf=args.hf,
+        command=args.command_line,
+    )
+    write_outputs(sweep.result, *paths)
+    print(markdown_table(sweep.result))
+    print(summary_line(sweep.result))
+    return 0
