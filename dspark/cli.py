@@ -41,6 +41,14 @@ SAMPLING_FIELDS = (
 )
 
 
+class _StderrHandler(logging.Handler):
+    """Writes to whatever sys.stderr is at the time (a StreamHandler keeps the stream it was made with, which a test
+    harness may have closed since)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the line breaks of descriptions and epilogs (the examples), wraps flag help as usual."""
 
@@ -619,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     args.command_line = shlex.join(["dspark", *argv])
     log = logging.getLogger("dspark")  # one-off notices, e.g. start-up profiling, on stderr
     if not log.handlers:
-        log.addHandler(logging.StreamHandler(sys.stderr))
+        log.addHandler(_StderrHandler())
         log.setLevel(logging.INFO)
     try:
         return args.func(args)

@@ -279,7 +279,7 @@ class LLMEngine:
         """Run one batch; return an output for every request that produced a token or finished."""
         sched = self.scheduler.schedule()
         for rid in sched.preempted:  # their drafts were dropped; so go the distributions they were drawn from
-            self.runner.release(rid)
+            self.runner.release(rid, finished=False)
             if self.planner is not None:
                 self.planner.drop_drafts(rid)
         if not sched.scheduled:
@@ -299,18 +299,19 @@ class LLMEngine:
         outputs = []
         drafting: list[Request] = []
         records = []
+        if self.planner is not None:  # before finished requests are released
+            outcomes = [
+                (s.request.request_id, len(s.spec_token_ids), result.num_accepted.get(s.request.request_id, 0))
+                for s in sched.scheduled
+                if s.request.request_id in num_held
+            ]
+            records = self.planner.record(outcomes, trace=self.trace is not None)
         for s in sched.scheduled:
             req = s.request
             num_rejected = 0
             if s.spec_token_ids:
                 num_rejected = len(s.spec_token_ids) - result.num_accepted[req.request_id]
                 self._count_spec(req, len(s.spec_token_ids), result.num_accepted[req.request_id])
-            if req.request_id in num_held and self.planner is not None:
-                record = self.planner.record(
-                    req.request_id, len(s.spec_token_ids), result.num_accepted.get(req.request_id, 0)
-                )
-                if record is not None:
-                    records.append(record)
             req.spec_token_ids = []
             # Rejected drafts' KV stays where it is, past num_computed_tokens, to be overwritten later.
             req.num_computed_tokens += s.num_new_tokens - num_rejected
@@ -326,10 +327,13 @@ class LLMEngine:
                     and req.sampling_params.max_speculative_tokens != 0
                 ):
                     drafting.append(req)
-        if drafting and (self.planner is None or self.planner.should_draft([r.request_id for r in drafting])):
+        drafted = bool(drafting) and (
+            self.planner is None or self.planner.should_draft([r.request_id for r in drafting])
+        )
+        if drafted:
             self._draft(drafting)
         if self.planner is not None:
-            self.planner.step_finished()
+            self.planner.step_finished(drafted)
         if self.trace is not None and records:
             self.trace.step(
                 self.stats["num_steps"], sched.num_tokens - sum(r["num_verified"] for r in records), records

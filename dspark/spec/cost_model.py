@@ -4,7 +4,7 @@
 - At or below the CUDA-graph capture limit a step is padded up to the next captured size, so the curve is a step
   function: the cost of the smallest profiled size >= n.
 - Above the limit: linear interpolation between profiled points, linear extrapolation past the last one.
-- Forced monotone (a running maximum): a larger step never predicts cheaper, whatever the profiling noise.
+- Forced monotone (isotonic regression): a larger step never predicts cheaper, whatever the profiling noise.
 - The interface takes the step's context size too (unused for now), so a context-aware curve needs no redesign.
 
 Profiling itself (dummy steps at start-up, median of 5) and persistence are the engine's; a curve is data here:
@@ -21,6 +21,21 @@ from typing import Any, overload
 import torch
 
 
+def isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators).
+
+    NOTE: not a running maximum, which would turn one slow profiling run (a GC pause, a clock dip) into a cliff that
+    every larger size inherits; pooling averages the outlier with its neighbours instead."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
 @dataclass
 class CostCurve:
     sizes: list[int]  # profiled sizes, strictly increasing
@@ -35,16 +50,12 @@ class CostCurve:
             raise ValueError(f"sizes must be positive and strictly increasing, got {self.sizes}")
         if self.capture_limit and self.capture_limit not in self.sizes:
             raise ValueError(f"capture_limit={self.capture_limit} must be a profiled size")
-        running, out = float("-inf"), []
-        for t in self.ms:
-            running = max(running, float(t))
-            out.append(running)
-        self.monotone_ms = out
+        self.monotone_ms = isotonic(self.ms)
 
     def __call__(self, n: torch.Tensor, context_tokens: int | None = None) -> torch.Tensor:
         """Predicted milliseconds for sizes n ([m] int64) -> [m] fp64. context_tokens is accepted, not used yet.
 
-        Monotone in n: the times are a running maximum, interpolation between them never decreases, and the step
+        Monotone in n: the times are isotonic, interpolation between them never decreases, and the step
         part ends at a profiled size, where the linear part starts from the same value."""
         sizes = torch.tensor(self.sizes, dtype=torch.float64)
         ms = torch.tensor(self.monotone_ms, dtype=torch.float64)
@@ -132,3 +143,34 @@ class CostModel:
             return cls(CostCurve(**data["verify"]), CostCurve(**data["draft"]), data.get("key", {}))
         except (OSError, ValueError, TypeError, KeyError):
             return None
+
+
+class RefinedCostModel(CostModel):
+    """A profiled cost model plus what the profile cannot see, learned online from measured steps.
+
+    The profile times the runner alone (target pass, verification, drafting) on dummy requests; a real step also
+    pays per-request work outside it (scheduling, output processing, detokenising) and real contexts. That residual,
+    measured minus profiled, is fitted as a + b * num_requests by exponentially weighted least squares and added to
+    every prediction (never below 0). It is paid with or without drafts, so it matters exactly where adaptive
+    verification weighs drafting against not drafting."""
+
+    def __init__(self, base: CostModel, decay: float = 0.98) -> None:
+        super().__init__(base.verify, base.draft, base.key)
+        self.base = base
+        self.decay = decay
+        self._sums = torch.zeros(5, dtype=torch.float64)  # sum of w, w*r, w*r^2, w*y, w*r*y
+
+    def observe(self, num_requests: int, base_ms: float, measured_ms: float) -> None:
+        r, y = float(num_requests), measured_ms - base_ms
+        self._sums = self._sums * self.decay + torch.tensor([1.0, r, r * r, y, r * y], dtype=torch.float64)
+
+    def overhead_ms(self, num_requests: int) -> float:
+        s0, s1, s2, sy, sry = self._sums.tolist()
+        if s0 < 1e-9:
+            return 0.0
+        det = s0 * s2 - s1 * s1
+        slope = (s0 * sry - s1 * sy) / det if det > 1e-6 * max(s0 * s2, 1e-12) else 0.0
+        return max(0.0, (sy - slope * s1) / s0 + slope * num_requests)
+
+    def step_ms(self, num_requests: int, num_tokens: Any, context_tokens: int | None = None) -> Any:
+        return self.base.step_ms(num_requests, num_tokens, context_tokens) + self.overhead_ms(num_requests)

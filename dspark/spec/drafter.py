@@ -56,6 +56,8 @@ class Drafter(Protocol):
         """Drafts continuing each request's tokens; each request's target KV covers all but its last token."""
         ...
 
+    # Optional: `release(request_id)`, called when a request finishes, for drafters that keep per-request state.
+
 
 def make_drafter(
     spec: SpeculativeConfig,

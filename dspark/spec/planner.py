@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.engine.scheduler import SchedulerOutput
-from dspark.spec.cost_model import CostModel
-from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, drafting_pays, smooth_confidences
+from dspark.spec.cost_model import CostModel, RefinedCostModel
+from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, drafting_pays
 from dspark.train.calibrate import NUM_BINS
 
 MIN_CONFIDENCE = 1e-4  # a held draft keeps a positive survival: 0 means "no draft here" to allocate
@@ -73,24 +73,43 @@ class CalibrationMonitor:
 
 
 @dataclass
+class _Timed:
+    num_requests: int
+    base_ms: float  # the profiled curves' prediction
+    refined_ms: float  # with the online overhead term
+    start: torch.cuda.Event | float
+    end: torch.cuda.Event | float
+
+
+@dataclass
 class StepTiming:
-    """Predicted vs measured step times; measured by CUDA events read back only once they have completed."""
+    """Predicted vs measured step times, for the profiled curves and for the online-refined ones. On CUDA the
+    measurement is a pair of events, read back only once the later one has completed (never a sync)."""
 
-    pending: deque[tuple[float, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=deque)
+    pending: deque[_Timed] = field(default_factory=deque)
     num_steps: int = 0
-    sum_relative_error: float = 0.0  # sum of (predicted - measured) / measured
-    sum_abs_relative_error: float = 0.0
+    sum_error: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
 
-    def add(self, predicted_ms: float, measured_ms: float) -> None:
-        rel = (predicted_ms - measured_ms) / max(measured_ms, 1e-6)
-        self.num_steps += 1
-        self.sum_relative_error += rel
-        self.sum_abs_relative_error += abs(rel)
+    def harvest(self, cost: RefinedCostModel) -> None:
+        while self.pending:
+            t = self.pending[0]
+            if isinstance(t.end, torch.cuda.Event):
+                if not t.end.query():
+                    return
+                assert isinstance(t.start, torch.cuda.Event)
+                measured = t.start.elapsed_time(t.end)
+            else:
+                measured = (t.end - float(t.start)) * 1e3
+            self.pending.popleft()
+            base = (t.base_ms - measured) / max(measured, 1e-6)
+            refined = (t.refined_ms - measured) / max(measured, 1e-6)
+            self.num_steps += 1
+            self.sum_error += torch.tensor([base, abs(base), refined, abs(refined)], dtype=torch.float64)
+            cost.observe(t.num_requests, t.base_ms, measured)
 
-    def harvest(self) -> None:
-        while self.pending and self.pending[0][2].query():
-            predicted, start, end = self.pending.popleft()
-            self.add(predicted, start.elapsed_time(end))
+    def mean_errors(self) -> list[float]:
+        """Mean relative error (predicted - measured) / measured: profiled, |profiled|, refined, |refined|."""
+        return (self.sum_error / self.num_steps).tolist() if self.num_steps else [0.0] * 4
 
 
 class VerificationPlanner:
@@ -107,7 +126,7 @@ class VerificationPlanner:
         self.k = num_spec_tokens
         self.mode = mode
         self.alpha = ema_alpha
-        self.cost = cost
+        self.cost = RefinedCostModel(cost) if cost is not None else None
         self.device = device
         self._step = 0
         self._smoothed: dict[str, torch.Tensor] = {}  # request id -> [K] smoothed confidences (device)
@@ -126,7 +145,7 @@ class VerificationPlanner:
         self.num_steps_without_drafting = 0  # steps where drafting would not have paid (high load)
         self.sum_budget = 0
         self.verify_len_hist = [0] * (num_spec_tokens + 1)  # requests that verified l drafts in a step, l = 0..K
-        self._predicted_ms: float | None = None
+        self._shape: tuple[int, int] | None = None  # this step's (requests that sample, tokens), once planned
         self._step_start: float | torch.cuda.Event | None = None
 
     @property
@@ -159,14 +178,19 @@ class VerificationPlanner:
         held = (
             torch.arange(k, device=current.device)[None, :] < torch.tensor(num_drafts, device=current.device)[:, None]
         )
-        survivals = []
-        for i, rid in enumerate(request_ids):
-            smoothed = smooth_confidences(self._smoothed.get(rid), current[i], self.alpha)
-            self._smoothed[rid] = smoothed
+        previous = [self._smoothed.get(rid) for rid in request_ids]
+        # NOTE: learned rates are already averages over many blocks: smoothing them again only mixes in a stale
+        # stratum (measured: alpha 0 predicts n-gram acceptance best at every batch size, README).
+        if confidences is not None and self.alpha > 0 and any(p is not None for p in previous):
+            has = torch.tensor([p is not None for p in previous], device=current.device)
+            prev = torch.stack([current[i] if p is None else p for i, p in enumerate(previous)])
+            smoothed = torch.where(has[:, None], self.alpha * prev + (1.0 - self.alpha) * current, current)
+        else:
+            smoothed = current
+        live = torch.where(held, torch.cumprod(smoothed, dim=1), 0.0)
+        for i, rid in enumerate(request_ids):  # rows are views: no copies
+            self._smoothed[rid] = smoothed[i]
             self._raw[rid] = current[i]
-            survivals.append(torch.cumprod(smoothed, 0))
-        live = torch.where(held, torch.stack(survivals), 0.0)
-        for i, rid in enumerate(request_ids):
             self._live[rid] = live[i]
         self._publish(request_ids, live)
 
@@ -209,12 +233,12 @@ class VerificationPlanner:
     def plan(self, sched: SchedulerOutput) -> None:
         """Cut each scheduled request's drafts to the number it verifies this step (adaptive modes)."""
         items = [s for s in sched.scheduled if s.spec_token_ids]
+        num_sampling = sum(1 for s in sched.scheduled if s.samples)
+        self._shape = (num_sampling, sched.num_tokens) if self.adaptive else None
         if not items:
-            self._predicted_ms = None
             return
         caps = [len(s.spec_token_ids) for s in items]
         num_other = sched.num_tokens - sum(caps)
-        num_sampling = sum(1 for s in sched.scheduled if s.samples)
         if self.adaptive:
             assert self.cost is not None
             live = torch.stack([self._live[s.request.request_id] for s in items])
@@ -232,14 +256,12 @@ class VerificationPlanner:
                 s.spec_token_ids = s.spec_token_ids[:n]
             self.num_planned_steps += 1
             self.sum_budget += sum(counts)
-            self._predicted_ms = self.cost.step_ms(num_sampling, num_other + sum(counts))
-        else:
-            self._predicted_ms = None
+            self._shape = (num_sampling, num_other + sum(counts))
         for s in items:
             self.verify_len_hist[len(s.spec_token_ids)] += 1
 
     def step_started(self) -> None:
-        if self._predicted_ms is None:
+        if self._shape is None:
             return
         if self.device.type == "cuda":
             self._step_start = torch.cuda.Event(enable_timing=True)
@@ -247,43 +269,56 @@ class VerificationPlanner:
         else:
             self._step_start = time.perf_counter()
 
-    def step_finished(self) -> None:
-        """After the step's drafting: the measured time of the step, against what the cost model predicted."""
-        if self._predicted_ms is None or self._step_start is None:
+    def step_finished(self, drafted: bool) -> None:
+        """After the step's drafting: its measured time against the cost model's prediction for what it ran (the
+        target pass, and the drafter's pass if it drafted), which also refines the model online."""
+        if self._shape is None or self._step_start is None or self.cost is None:
             return
+        num_requests, num_tokens = self._shape
+        base = self.cost.base.step_ms(num_requests if drafted else 0, num_tokens)
+        refined = base + self.cost.overhead_ms(num_requests)
         if isinstance(self._step_start, torch.cuda.Event):
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.timing.pending.append((self._predicted_ms, self._step_start, end))
-            self.timing.harvest()
+            end: torch.cuda.Event | float = torch.cuda.Event(enable_timing=True)
+            end.record()  # type: ignore[union-attr]
         else:
-            self.timing.add(self._predicted_ms, (time.perf_counter() - self._step_start) * 1e3)
-        self._step_start = None
+            end = time.perf_counter()
+        self.timing.pending.append(_Timed(num_requests, base, refined, self._step_start, end))
+        self.timing.harvest(self.cost)
+        self._step_start = self._shape = None
 
     # ---- 3. after verifying -------------------------------------------------------------------------------------
 
-    def record(self, request_id: str, num_verified: int, num_accepted: int) -> dict[str, object] | None:
-        """One request's verified block: returns its trace record (raw confidences, counts)."""
-        live = self._live.pop(request_id, None)
-        raw = self._raw.pop(request_id, None)
-        if live is None or raw is None:
-            return None
-        s = self._stratum.get(request_id, 0)
-        positions = torch.arange(self.k)
-        reached = (positions < num_verified) & (positions <= num_accepted)
-        self.reached[s] += reached.double()
-        self.accepted[s] += (positions < num_accepted).double()
-        if num_verified:
-            self.calibration.add(live[:num_verified].double().cpu(), num_accepted)
-        num_drafts = int((live > 0).sum())
-        return {
-            "id": request_id,
-            "confidences": [round(c, 6) for c in raw[:num_drafts].tolist()],
-            "stratum": s,
-            "num_drafts": num_drafts,
-            "num_verified": num_verified,
-            "num_accepted": num_accepted,
-        }
+    def record(self, outcomes: list[tuple[str, int, int]], trace: bool = False) -> list[dict[str, object]]:
+        """The step's verified blocks, (request id, drafts verified, drafts accepted) each: one device-to-host copy for
+        all of them. Returns their trace records when asked (raw confidences, counts)."""
+        known = [(rid, v, a) for rid, v, a in outcomes if rid in self._live and rid in self._raw]
+        if not known:
+            return []
+        live = torch.stack([self._live.pop(rid) for rid, _, _ in known])
+        raw = torch.stack([self._raw.pop(rid) for rid, _, _ in known])
+        host = torch.cat([live, raw], dim=1).double().cpu()  # NOTE: the one copy (a sync on CUDA; see DESIGN.md)
+        k = self.k
+        positions = torch.arange(k)
+        records: list[dict[str, object]] = []
+        for i, (rid, num_verified, num_accepted) in enumerate(known):
+            s = self._stratum.get(rid, 0)
+            self.reached[s] += ((positions < num_verified) & (positions <= num_accepted)).double()
+            self.accepted[s] += (positions < num_accepted).double()
+            if num_verified:
+                self.calibration.add(host[i, :num_verified], num_accepted)
+            if trace:
+                num_drafts = int((host[i, :k] > 0).sum())
+                records.append(
+                    {
+                        "id": rid,
+                        "confidences": [round(c, 6) for c in host[i, k : k + num_drafts].tolist()],
+                        "stratum": s,
+                        "num_drafts": num_drafts,
+                        "num_verified": num_verified,
+                        "num_accepted": num_accepted,
+                    }
+                )
+        return records
 
     def drop_drafts(self, request_id: str) -> None:
         """The request's pending drafts were dropped (preemption); its smoothing history stays."""
@@ -296,9 +331,10 @@ class VerificationPlanner:
             table.pop(request_id, None)
 
     def metrics(self) -> dict[str, object]:
-        cal, t = self.calibration, self.timing
-        if self.device.type == "cuda":
-            t.harvest()
+        cal = self.calibration
+        if self.cost is not None:
+            self.timing.harvest(self.cost)
+        base, base_abs, refined, refined_abs = self.timing.mean_errors()
         return {
             "adaptive_verification_mode": self.mode,
             "spec_decode_verify_budget_mean": self.sum_budget / self.num_planned_steps if self.num_planned_steps else 0,
@@ -307,6 +343,11 @@ class VerificationPlanner:
             "spec_decode_predicted_accepted_tokens": cal.predicted,
             "spec_decode_realised_accepted_tokens": cal.realised,
             "spec_decode_calibration_error": cal.ece,
-            "spec_decode_cost_model_error": t.sum_relative_error / t.num_steps if t.num_steps else 0.0,
-            "spec_decode_cost_model_abs_error": t.sum_abs_relative_error / t.num_steps if t.num_steps else 0.0,
+            # (predicted - measured) / measured step time, mean over steps: the profiled curves, then with the online
+            # overhead term that planning actually uses
+            "spec_decode_cost_model_error": base,
+            "spec_decode_cost_model_abs_error": base_abs,
+            "spec_decode_refined_cost_model_error": refined,
+            "spec_decode_refined_cost_model_abs_error": refined_abs,
+            "spec_decode_cost_model_overhead_ms": self.cost.overhead_ms(1) if self.cost is not None else 0.0,
         }

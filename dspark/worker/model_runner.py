@@ -191,9 +191,12 @@ class ModelRunner:
                 self._draft_probs[req.request_id] = proposal.probs[i]
         return proposal
 
-    def release(self, request_id: str) -> None:
-        """Forget a finished request's pending drafts."""
+    def release(self, request_id: str, finished: bool = True) -> None:
+        """Forget a request's pending drafts; when it finished, the drafter's per-request state too."""
         self._draft_probs.pop(request_id, None)
+        release = getattr(self.drafter, "release", None)
+        if finished and release is not None:
+            release(request_id)
 
 
 def sampling_row(req: Request, drafts: list[int] | None = None) -> SamplingRow:

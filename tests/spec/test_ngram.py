@@ -37,3 +37,22 @@ def test_bad_sizes() -> None:
         NgramDrafter(min_n=0)
     with pytest.raises(ValueError, match="min_n"):
         NgramDrafter(min_n=3, max_n=2)
+
+
+@pytest.mark.parametrize(("min_n", "max_n"), [(1, 1), (1, 4), (2, 3)])
+def test_the_incremental_index_matches_the_full_scan(min_n: int, max_n: int) -> None:
+    """Grown a few tokens at a time (as accepted drafts arrive), the index proposes what a full scan proposes."""
+    import random
+
+    from dspark.spec.ngram import NgramIndex
+
+    rng = random.Random(min_n * 10 + max_n)
+    d = NgramDrafter(min_n, max_n)
+    for _ in range(30):
+        index, tokens = NgramIndex(d), []
+        for _ in range(60):
+            tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]  # a small alphabet: many repeats
+            k = rng.randrange(0, 6)
+            assert index.match(tokens, k) == d.match(tokens, k), tokens
+    with pytest.raises(ValueError, match="shrank"):
+        index.match(tokens[:-1], 3)

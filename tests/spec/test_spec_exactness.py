@@ -232,10 +232,18 @@ def test_prefix_cache_covers_generated_text_under_speculation(tiny_model_dirs: d
     assert follow.metrics.num_cached_tokens == (len(history) - 1) // 4 * 4
 
 
-def test_per_request_cap_on_drafts(tiny_model_dirs: dict[str, Path], drafters: dict[str, Path]) -> None:
-    """SamplingParams.max_speculative_tokens caps one request's drafts per step; 0 opts it out of speculation."""
-    spec = {"method": "dspark", "model": str(drafters["llama"]), "num_speculative_tokens": 4}
-    llm = _llm(str(tiny_model_dirs["llama"]), spec)
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_per_request_cap_on_drafts(tiny_model_dirs: dict[str, Path], drafters: dict[str, Path], adaptive: bool) -> None:
+    """SamplingParams.max_speculative_tokens caps one request's drafts per step; 0 opts it out of speculation. Adaptive
+    verification runs with a flat cost (verifying is free, so it verifies every draft it may): the caps still hold."""
+    spec = {
+        "method": "dspark",
+        "model": str(drafters["llama"]),
+        "num_speculative_tokens": 4,
+        "enable_adaptive_verification": adaptive,
+    }
+    flat = CostModel.from_points({1: 1.0, 4096: 1.0}, {1: 0.0, 4096: 0.0})
+    llm = _llm(str(tiny_model_dirs["llama"]), spec, cost_model=flat)
     prompt = ([5, 6, 7, 8, 9, 10] * 8)[:45]
     caps = [None, 2, 0]
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, max_speculative_tokens=c) for c in caps]

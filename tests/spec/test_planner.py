@@ -1,0 +1,130 @@
+"""The engine's side of adaptive verification (spec/planner.py): stale budgets, live allocation, the EMA, drafting
+only when it pays, online acceptance for drafters without confidences, and the online cost refinement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.config import SamplingParams
+from dspark.engine.request import Request
+from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
+from dspark.spec.cost_model import CostModel, RefinedCostModel
+from dspark.spec.planner import VerificationPlanner
+from dspark.spec.scheduling import drafting_pays
+
+K = 4
+CPU = torch.device("cpu")
+
+
+def _request(rid: str) -> Request:
+    req = Request(rid, None, [1, 2, 3, 4], SamplingParams(), 0, None)
+    req.num_computed_tokens = 3  # the last token is fed this step, then its drafts
+    return req
+
+
+def _sched(reqs: list[Request], num_drafts: int = K) -> SchedulerOutput:
+    return SchedulerOutput([ScheduledRequest(r, 1 + num_drafts, [7] * num_drafts) for r in reqs])
+
+
+def _pays_for_sure_drafts() -> CostModel:
+    """Each token adds a quarter of a one-token step: a draft pays when its survival is above 0.25."""
+    return CostModel.from_points({1: 10.0, 2: 12.5, 64: 167.5}, {1: 0.0, 64: 0.0})
+
+
+def _observe(planner: VerificationPlanner, rids: list[str], conf: float) -> None:
+    planner.observe(rids, [K] * len(rids), torch.full((len(rids), K), conf))
+
+
+def test_the_budget_comes_from_survivals_a_step_old_and_the_slots_from_live_ones() -> None:
+    reqs = [_request("a")]
+    planner = VerificationPlanner(K, "async", 0.0, _pays_for_sure_drafts(), CPU)
+    _observe(planner, ["a"], 0.999)  # the block verified last step: sure drafts
+    _observe(planner, ["a"], 0.05)  # this step's live drafts: hopeless, but the budget must not look at them
+    sched = _sched(reqs)
+    planner.plan(sched)
+    assert len(sched.scheduled[0].spec_token_ids) == K  # paid for by the stale 0.999s, verified though live are 0.05
+
+    planner = VerificationPlanner(K, "async", 0.0, _pays_for_sure_drafts(), CPU)
+    _observe(planner, ["a"], 0.05)
+    _observe(planner, ["a"], 0.999)
+    sched = _sched(reqs)
+    planner.plan(sched)
+    assert sched.scheduled[0].spec_token_ids == []  # stale drafts were hopeless: nothing verified
+    assert sched.scheduled[0].num_new_tokens == 1  # the token budget shrinks with the drafts
+
+
+def test_sync_mode_plans_on_live_survivals() -> None:
+    planner = VerificationPlanner(K, "sync", 0.0, _pays_for_sure_drafts(), CPU)
+    _observe(planner, ["a"], 0.05)
+    _observe(planner, ["a"], 0.999)
+    sched = _sched([_request("a")])
+    planner.plan(sched)
+    assert len(sched.scheduled[0].spec_token_ids) == K
+
+
+def test_fixed_mode_keeps_every_draft_and_counts_lengths() -> None:
+    planner = VerificationPlanner(K, "fixed", 0.8, None, CPU)
+    _observe(planner, ["a", "b"], 0.01)
+    sched = _sched([_request("a"), _request("b")])
+    planner.plan(sched)
+    assert [len(s.spec_token_ids) for s in sched.scheduled] == [K, K]
+    assert planner.verify_len_hist[K] == 2
+    assert planner.should_draft(["a", "b"])
+
+
+def test_the_ema_smooths_per_request_and_restarts_for_a_new_one() -> None:
+    planner = VerificationPlanner(K, "fixed", 0.8, None, CPU)
+    _observe(planner, ["a"], 1.0)
+    _observe(planner, ["a"], 0.5)
+    assert torch.allclose(planner._live["a"], torch.full((K,), 0.9).cumprod(0))  # 0.8 * 1 + 0.2 * 0.5
+    planner.release("a")
+    _observe(planner, ["a"], 0.5)
+    assert torch.allclose(planner._live["a"], torch.full((K,), 0.5).cumprod(0))
+
+
+def test_drafting_stops_when_the_drafter_costs_more_than_its_drafts_return() -> None:
+    verify = {1: 10.0, 256: 10.0, 512: 20.0, 2048: 80.0}  # free up to 256 tokens
+    cheap = CostModel.from_points(verify, {1: 0.1, 64: 0.5})
+    dear = CostModel.from_points(verify, {1: 0.1, 64: 8.0})
+    poor = torch.full((64, K), 0.1).cumprod(dim=1)  # 64 requests, 0.11 tokens per request from verifying every draft
+    assert drafting_pays(poor, 64, cheap)  # 71 tokens in 10.5 ms against 64 in 10
+    assert not drafting_pays(poor, 64, dear)  # 71 in 18 ms: no speculation is better
+    good = torch.full((64, K), 0.9).cumprod(dim=1)
+    assert drafting_pays(good, 64, dear)  # 64 + 220 tokens in 18 ms
+
+
+def test_drafts_without_confidences_learn_acceptance_per_stratum() -> None:
+    planner = VerificationPlanner(K, "fixed", 0.0, None, CPU, num_strata=3)
+    for _ in range(20):
+        planner.observe(["long", "short"], [K, K], None, strata=[2, 1])
+        planner.record([("long", K, K), ("short", K, 0)])
+    planner.observe(["long", "short"], [K, K], None, strata=[2, 1])
+    long_, short = planner._live["long"], planner._live["short"]
+    assert float(long_[0]) > 0.9 and float(short[0]) < 0.1
+
+
+def test_calibration_monitor_compares_predicted_and_realised() -> None:
+    planner = VerificationPlanner(K, "fixed", 0.0, None, CPU)
+    _observe(planner, ["a", "b"], 0.5)
+    records = planner.record([("a", K, 2), ("b", 2, 0)], trace=True)
+    assert planner.calibration.realised == 2
+    assert planner.calibration.predicted == pytest.approx(0.5 + 0.25 + 0.125 + 0.0625 + 0.5 + 0.25)
+    assert records[0] == {
+        "id": "a",
+        "confidences": [0.5] * K,
+        "stratum": 0,
+        "num_drafts": K,
+        "num_verified": K,
+        "num_accepted": 2,
+    }
+
+
+def test_the_refined_cost_learns_the_overhead_outside_the_profile() -> None:
+    base = CostModel.from_points({1: 5.0, 1024: 5.0}, {1: 1.0, 1024: 1.0})
+    refined = RefinedCostModel(base)
+    assert refined.step_ms(8, 16) == base.step_ms(8, 16)
+    for r in [1, 8, 64, 8, 1, 64] * 10:
+        refined.observe(r, base.step_ms(r, r), base.step_ms(r, r) + 2.0 + 0.05 * r)
+    assert refined.overhead_ms(32) == pytest.approx(2.0 + 0.05 * 32)
+    assert refined.step_ms(32, 40) == pytest.approx(base.step_ms(32, 40) + 3.6)
