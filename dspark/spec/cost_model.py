@@ -145,6 +145,9 @@ class CostModel:
             return None
 
 
+OUTLIER_RATIO = 5.0  # measured steps slower than this multiple of the profiled prediction are not learned from
+
+
 class RefinedCostModel(CostModel):
     """A profiled cost model plus what the profile cannot see, learned online from measured steps.
 
@@ -161,6 +164,8 @@ class RefinedCostModel(CostModel):
         self._sums = torch.zeros(5, dtype=torch.float64)  # sum of w, w*r, w*r^2, w*y, w*r*y
 
     def observe(self, num_requests: int, base_ms: float, measured_ms: float) -> None:
+        if measured_ms > OUTLIER_RATIO * max(base_ms, 1e-3):
+            return  # a one-off stall (a kernel compiling, a GC pause) says nothing about the next step
         r, y = float(num_requests), measured_ms - base_ms
         self._sums = self._sums * self.decay + torch.tensor([1.0, r, r * r, y, r * y], dtype=torch.float64)
 

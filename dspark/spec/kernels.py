@@ -28,7 +28,9 @@ def _allocate_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # NOTE: num_reqs changes every step; left specialisable, Triton would compile a variant for R == 1 and for R a
+    # multiple of 16, each a second-long stall in the middle of serving.
+    @triton.jit(do_not_specialize=["num_reqs"])
     def allocate_kernel(
         survival_ptr,  # [R, K] fp32, row-major
         caps_ptr,  # [R] int64

@@ -127,6 +127,8 @@ class VerificationPlanner:
         self.mode = mode
         self.alpha = ema_alpha
         self.cost = RefinedCostModel(cost) if cost is not None else None
+        if self.adaptive and device.type == "cuda":  # compile the allocation kernel now, not in the first busy step
+            allocate(torch.ones(2, num_spec_tokens, device=device), 1, torch.ones(2, dtype=torch.int64, device=device))
         self.device = device
         self._step = 0
         self._smoothed: dict[str, torch.Tensor] = {}  # request id -> [K] smoothed confidences (device)
@@ -210,7 +212,9 @@ class VerificationPlanner:
         while len(self._copies) > 1 and (self._copies[0].event is None or self._copies[0].event.query()):
             copy = self._copies.popleft()
             for i, rid in enumerate(copy.request_ids):
-                if rid in self._smoothed:  # not released meanwhile
+                # NOTE: a block without drafts (no n-gram match) says nothing about how good drafts would be; taken in,
+                # its zeros would stop drafting for the request for good (no draft, no newer block to learn from).
+                if rid in self._smoothed and copy.host[i, 0] > 0:  # not released meanwhile, and held a draft
                     self._stale[rid] = copy.host[i].double()
             held = copy.host[copy.host[:, 0] > 0].double()
             if held.numel():  # requests without a stale row start from the recent mean

@@ -128,3 +128,22 @@ def test_the_refined_cost_learns_the_overhead_outside_the_profile() -> None:
         refined.observe(r, base.step_ms(r, r), base.step_ms(r, r) + 2.0 + 0.05 * r)
     assert refined.overhead_ms(32) == pytest.approx(2.0 + 0.05 * 32)
     assert refined.step_ms(32, 40) == pytest.approx(base.step_ms(32, 40) + 3.6)
+
+
+def test_the_refined_cost_ignores_one_off_stalls() -> None:
+    base = CostModel.from_points({1: 5.0, 1024: 5.0}, {1: 1.0, 1024: 1.0})
+    refined = RefinedCostModel(base)
+    refined.observe(8, 6.0, 2000.0)  # a kernel compiling
+    assert refined.overhead_ms(8) == 0.0
+    refined.observe(8, 6.0, 7.0)
+    assert refined.overhead_ms(8) == pytest.approx(1.0)
+
+
+def test_a_block_without_drafts_does_not_stop_drafting_for_good() -> None:
+    """An n-gram miss gives a block of no drafts; its zeros must not become the request's stale survivals, or drafting
+    would never pay again for it (and without drafts there is no newer block to correct that)."""
+    cost = CostModel.from_points({1: 10.0, 64: 10.0}, {1: 1.0, 64: 1.0})  # verification free, drafting a 10th of a step
+    planner = VerificationPlanner(K, "async", 0.0, cost, CPU)
+    planner.observe(["a"], [0], torch.zeros(1, K))  # a miss
+    planner.observe(["a"], [0], torch.zeros(1, K))  # another: the first is now old enough to be read
+    assert planner.should_draft(["a"])
