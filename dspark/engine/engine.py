@@ -291,8 +291,8 @@ class LLMEngine:
             s.request.first_scheduled_time = s.request.first_scheduled_time or now
         num_held = {s.request.request_id: len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids}
         if self.planner is not None:
-            self.planner.plan(sched)  # adaptive verification: cut each request's drafts to those worth verifying
             self.planner.step_started()
+            self.planner.plan(sched)  # adaptive verification: cut each request's drafts to those worth verifying
         result = self.runner.execute(sched)
         self.stats["num_steps"] += 1
         now = time.monotonic()
@@ -333,7 +333,7 @@ class LLMEngine:
         if drafted:
             self._draft(drafting)
         if self.planner is not None:
-            self.planner.step_finished(drafted)
+            self.planner.step_finished(drafted, sum(len(rows) for rows in result.sampled.values()))
         if self.trace is not None and records:
             self.trace.step(
                 self.stats["num_steps"], sched.num_tokens - sum(r["num_verified"] for r in records), records

@@ -28,6 +28,7 @@ import torch
 
 from dspark.engine.scheduler import SchedulerOutput
 from dspark.spec.cost_model import CostModel, RefinedCostModel
+from dspark.spec.regime import RegimeChooser
 from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, drafting_pays
 from dspark.train.calibrate import NUM_BINS
 
@@ -79,6 +80,9 @@ class _Timed:
     refined_ms: float  # with the online overhead term
     start: torch.cuda.Event | float
     end: torch.cuda.Event | float
+    verified_drafts: bool
+    drafted: bool
+    num_emitted: int
 
 
 @dataclass
@@ -90,7 +94,7 @@ class StepTiming:
     num_steps: int = 0
     sum_error: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
 
-    def harvest(self, cost: RefinedCostModel) -> None:
+    def harvest(self, cost: RefinedCostModel, regime: RegimeChooser) -> None:
         while self.pending:
             t = self.pending[0]
             if isinstance(t.end, torch.cuda.Event):
@@ -106,6 +110,7 @@ class StepTiming:
             self.num_steps += 1
             self.sum_error += torch.tensor([base, abs(base), refined, abs(refined)], dtype=torch.float64)
             cost.observe(t.num_requests, t.base_ms, measured)
+            regime.observe(t.num_requests, t.verified_drafts, t.drafted, t.num_emitted, measured)
 
     def mean_errors(self) -> list[float]:
         """Mean relative error (predicted - measured) / measured: profiled, |profiled|, refined, |refined|."""
@@ -143,11 +148,13 @@ class VerificationPlanner:
         self.accepted = torch.zeros(num_strata, num_spec_tokens, dtype=torch.float64)
         self.calibration = CalibrationMonitor()
         self.timing = StepTiming()
+        self.regime = RegimeChooser()
         self.num_planned_steps = 0
         self.num_steps_without_drafting = 0  # steps where drafting would not have paid (high load)
         self.sum_budget = 0
         self.verify_len_hist = [0] * (num_spec_tokens + 1)  # requests that verified l drafts in a step, l = 0..K
         self._shape: tuple[int, int] | None = None  # this step's (requests that sample, tokens), once planned
+        self._verified_drafts = False
         self._step_start: float | torch.cuda.Event | None = None
 
     @property
@@ -221,14 +228,15 @@ class VerificationPlanner:
                 self._prior = 0.9 * self._prior + 0.1 * held.mean(dim=0)
 
     def should_draft(self, request_ids: list[str]) -> bool:
-        """Adaptive modes: whether drafting for these requests pays at all (scheduling.drafting_pays), from their
-        stale survivals (the last known for requests that have not drafted lately) and a decode step of them."""
+        """Adaptive modes: whether drafting for these requests pays at all: the cost model's answer
+        (scheduling.drafting_pays, from their stale survivals and a decode step of them), checked against the measured
+        tokens/ms of each regime at this load (spec/regime.py)."""
         if not self.adaptive or not request_ids:
             return True
         assert self.cost is not None
         self._harvest()
         stale = torch.stack([self._stale.get(rid, self._prior) for rid in request_ids])
-        pays = drafting_pays(stale, len(request_ids), self.cost)
+        pays = self.regime.choose(len(request_ids), drafting_pays(stale, len(request_ids), self.cost))
         self.num_steps_without_drafting += not pays
         return pays
 
@@ -239,6 +247,7 @@ class VerificationPlanner:
         items = [s for s in sched.scheduled if s.spec_token_ids]
         num_sampling = sum(1 for s in sched.scheduled if s.samples)
         self._shape = (num_sampling, sched.num_tokens) if self.adaptive else None
+        self._verified_drafts = False
         if not items:
             return
         caps = [len(s.spec_token_ids) for s in items]
@@ -261,11 +270,13 @@ class VerificationPlanner:
             self.num_planned_steps += 1
             self.sum_budget += sum(counts)
             self._shape = (num_sampling, num_other + sum(counts))
+            self._verified_drafts = sum(counts) > 0
         for s in items:
             self.verify_len_hist[len(s.spec_token_ids)] += 1
 
     def step_started(self) -> None:
-        if self._shape is None:
+        """Before planning: the step's measured time includes the planning."""
+        if not self.adaptive:
             return
         if self.device.type == "cuda":
             self._step_start = torch.cuda.Event(enable_timing=True)
@@ -273,7 +284,7 @@ class VerificationPlanner:
         else:
             self._step_start = time.perf_counter()
 
-    def step_finished(self, drafted: bool) -> None:
+    def step_finished(self, drafted: bool, num_emitted: int) -> None:
         """After the step's drafting: its measured time against the cost model's prediction for what it ran (the
         target pass, and the drafter's pass if it drafted), which also refines the model online."""
         if self._shape is None or self._step_start is None or self.cost is None:
@@ -286,8 +297,9 @@ class VerificationPlanner:
             end.record()  # type: ignore[union-attr]
         else:
             end = time.perf_counter()
-        self.timing.pending.append(_Timed(num_requests, base, refined, self._step_start, end))
-        self.timing.harvest(self.cost)
+        timed = _Timed(num_requests, base, refined, self._step_start, end, self._verified_drafts, drafted, num_emitted)
+        self.timing.pending.append(timed)
+        self.timing.harvest(self.cost, self.regime)
         self._step_start = self._shape = None
 
     # ---- 3. after verifying -------------------------------------------------------------------------------------
@@ -337,13 +349,15 @@ class VerificationPlanner:
     def metrics(self) -> dict[str, object]:
         cal = self.calibration
         if self.cost is not None:
-            self.timing.harvest(self.cost)
+            self.timing.harvest(self.cost, self.regime)
         base, base_abs, refined, refined_abs = self.timing.mean_errors()
         return {
             "adaptive_verification_mode": self.mode,
             "spec_decode_verify_budget_mean": self.sum_budget / self.num_planned_steps if self.num_planned_steps else 0,
             "spec_decode_verify_len_hist": list(self.verify_len_hist),
             "spec_decode_num_steps_without_drafting": self.num_steps_without_drafting,
+            "spec_decode_regime_explorations": self.regime.num_explorations,
+            "spec_decode_regime_tokens_per_ms": self.regime.rates(),
             "spec_decode_predicted_accepted_tokens": cal.predicted,
             "spec_decode_realised_accepted_tokens": cal.realised,
             "spec_decode_calibration_error": cal.ece,

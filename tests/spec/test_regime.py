@@ -1,0 +1,51 @@
+"""Speculating at all, checked against measurement (spec/regime.py): the faster regime wins once both are measured,
+whatever the cost model said, and the slower one is still revisited, more rarely each time."""
+
+from __future__ import annotations
+
+import itertools
+
+from dspark.spec.regime import FIRST_PERIOD, RegimeChooser
+
+
+def _run(chooser: RegimeChooser, steps: int, model_says: bool, spec_rate: float, plain_rate: float) -> list[bool]:
+    choices, previous = [], model_says
+    for _ in range(steps):
+        drafted = chooser.choose(16, model_says)
+        # This step verified drafts iff the one before drafted; it is steady iff it also drafted.
+        chooser.observe(16, previous, drafted, 16, 16 / (spec_rate if drafted else plain_rate))
+        choices.append(drafted)
+        previous = drafted
+    return choices
+
+
+def test_measurement_overrides_a_wrong_model() -> None:
+    chooser = RegimeChooser()
+    choices = _run(chooser, 400, model_says=True, spec_rate=0.8, plain_rate=1.0)  # the model is wrong: plain is faster
+    assert all(choices[:FIRST_PERIOD])  # the model's choice until the first exploration
+    late = choices[100:]
+    assert sum(late) < 0.1 * len(late)  # then plain, with short spec bursts that keep its figure fresh
+    assert 0 < sum(late)
+    assert set(chooser.rates()[chooser.level(16)]) == {"spec", "plain"}
+
+
+def test_measurement_confirms_a_right_model_and_explores_ever_more_rarely() -> None:
+    chooser = RegimeChooser()
+    choices = _run(chooser, 600, model_says=True, spec_rate=1.3, plain_rate=1.0)
+    assert sum(choices) > 0.95 * len(choices)
+    plain_runs = [i for i in range(1, len(choices)) if not choices[i] and choices[i - 1]]
+    gaps = [b - a for a, b in itertools.pairwise(plain_runs)]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # explorations thin out
+
+
+def test_a_near_tie_keeps_the_model_choice() -> None:
+    chooser = RegimeChooser()
+    choices = _run(chooser, 300, model_says=True, spec_rate=1.0, plain_rate=1.01)  # within the 3% margin
+    assert sum(choices[100:]) > 0.9 * len(choices[100:])
+
+
+def test_switching_steps_are_not_measured() -> None:
+    chooser = RegimeChooser()
+    chooser.observe(16, verified_drafts=True, drafted=False, tokens=16, ms=1.0)  # leaving spec: neither regime
+    chooser.observe(16, verified_drafts=False, drafted=True, tokens=16, ms=1.0)  # entering spec: neither
+    assert chooser.rates() == {}
