@@ -339,6 +339,34 @@ def test_forward_matches_the_dense_reference(
     _check_against_reference(model, target, ctx, proposal, sample, k)
 
 
+@pytest.mark.parametrize(("family", "variant"), [("llama", "learned_mask"), ("qwen3", "mask_token")])
+def test_training_forward_matches_the_dense_reference(
+    targets: dict[str, CausalLM], contexts: dict[str, Context], family: str, variant: str
+) -> None:
+    """The training pass (train/forward.py) packs several blocks of one sequence with a mask; each block's states,
+    teacher-forced draft logits and confidences equal the dense reference's for a block at that anchor."""
+    from dspark.train.forward import block_states, draft_outputs
+
+    target, ctx = targets[family], contexts[family]
+    model = _drafter_model(target, variant, seed=4)
+    tokens, taps = torch.tensor(ctx.tokens[3]), ctx.taps[3]  # 131 tokens; taps of all but the last
+    anchors = torch.tensor([1, 7, 64, 120])
+    dense = Dense(model, target)
+    with torch.no_grad():
+        states = block_states(model, target.model.embed_tokens, tokens, model.context_features(taps), anchors)
+        previous = torch.stack([tokens[a : a + K] for a in anchors.tolist()])  # the anchor, then the target's tokens
+        logits, conf = draft_outputs(model, target, states, previous)
+    for b, a in enumerate(anchors.tolist()):
+        ref_states = dense.block(tokens[: a + 1].tolist(), taps[:a])
+        torch.testing.assert_close(states[b].double(), ref_states, rtol=1e-4, atol=1e-4, msg=lambda m, a=a: f"{a}: {m}")
+        ref = dense(tokens[: a + 1].tolist(), taps[:a], [*tokens[a + 1 : a + K].tolist(), 0])
+        torch.testing.assert_close(logits[b].double(), ref.logits, rtol=1e-4, atol=2e-4, msg=lambda m, a=a: f"{a}: {m}")
+        if ref.confidence is not None:
+            assert conf is not None
+            temps = torch.tensor(model.config.sts_temperatures or (1.0,) * K, dtype=torch.float64)
+            torch.testing.assert_close(torch.sigmoid(conf[b].double() / temps), ref.confidence, rtol=0, atol=1e-5)
+
+
 def test_reference_is_sensitive_to_the_markov_head(targets: dict[str, CausalLM], contexts: dict[str, Context]) -> None:
     """The comparison has teeth: the Markov correction and the previous token move the logits far past tolerance."""
     target, ctx = targets["llama"], contexts["llama"]
