@@ -415,6 +415,31 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from dspark.train.driver import TrainConfig, train_drafter
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"block_size"}  # --block-size is the KV cache's
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, block_size=args.draft_block_size)
+    for field in (
+        "num_layers",
+        "block_size",
+        "steps",
+        "blocks_per_sequence",
+        "prompts_per_source",
+        "samples_per_prompt",
+        "max_tokens",
+        "checkpoint_every",
+    ):
+        if getattr(cfg, field) < 1:
+            raise ConfigError(field, getattr(cfg, field), "must be a positive integer")
+    if not Path(cfg.data_dir).is_dir():
+        raise ConfigError("data_dir", cfg.data_dir, "must be a directory laid out as ../shared/data")
+    llm = _load_llm(engine_config(args))
+    summary = train_drafter(cfg, llm)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 # ---- parser -------------------------------------------------------------------------------------------------------
 
 GENERATE_EPILOG = """\
@@ -442,6 +467,11 @@ PROFILE_EPILOG = """\
 examples:
   dspark profile --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --output-plot cost.png
   dspark profile --speculative-config '{"method": "dspark", "model": "drafter/"}' --output-json cost.json --force
+"""
+TRAIN_EPILOG = """\
+examples:
+  dspark train-drafter --data-dir ../shared/data --output-dir runs/smollm2 --steps 4000 --device cuda
+  dspark train-drafter --data-dir ../shared/data --output-dir runs/smollm2 --steps 8000   # resume, train longer
 """
 THROUGHPUT_EPILOG = """\
 Both arms get the same prompt token ids, decode greedily and produce exactly --output-len tokens per prompt; the
@@ -610,6 +640,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-plot", metavar="PATH", help="write the curves here (PNG)")
     add_engine_args(prof)
     prof.set_defaults(func=cmd_profile)
+
+    train = commands.add_parser(
+        "train-drafter",
+        help="train a DSpark drafter for the model on its own answers (resumable)",
+        description="Build a prompt pool from --data-dir (never its evaluation sets), have the model answer it,\n"
+        "then train a DSpark drafter on those answers with the target frozen and run online. Everything lives in\n"
+        "--output-dir: run again with the same directory to resume; the drafter is in <output-dir>/drafter.",
+        epilog=TRAIN_EPILOG,
+        formatter_class=_Formatter,
+    )
+    g = train.add_argument_group("training")
+    g.add_argument("--data-dir", required=True, metavar="DIR", help="prompt sources, laid out as ../shared/data")
+    g.add_argument("--output-dir", required=True, metavar="DIR", help="the run directory (created; resumed if there)")
+    for flag, default, kind, text in (
+        ("--num-layers", 2, int, "draft layers"),
+        ("--draft-block-size", 7, int, "K: drafts per block"),
+        ("--markov-rank", 64, int, "rank of the Markov head (0: none)"),
+        ("--steps", 2000, int, "optimiser steps (one sequence each)"),
+        ("--lr", 6e-4, float, "peak learning rate"),
+        ("--blocks-per-sequence", 16, int, "anchors sampled per sequence and step"),
+        ("--prompts-per-source", 500, int, "prompts taken from each source"),
+        ("--samples-per-prompt", 1, int, "answers sampled per prompt"),
+        ("--max-tokens", 256, int, "most tokens per answer"),
+        ("--temperature", 1.0, float, "answer sampling temperature"),
+        ("--checkpoint-every", 200, int, "steps between checkpoints"),
+    ):
+        g.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
+    add_engine_args(train)
+    train.set_defaults(func=cmd_train_drafter)
 
     from dspark.bench.simulate import add_parser as add_simulate
 
