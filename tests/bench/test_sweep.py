@@ -91,7 +91,9 @@ def test_rows(sweep: Sweep) -> None:
         assert row["acceptance_length"] == row["spec_decode_acceptance_length"]
         steps = row["total_output_tokens"] - row["spec_decode_accepted_tokens"]
         assert row["mean_verify_len"] == pytest.approx(row["spec_decode_draft_tokens"] / steps)
-        if row["temperature"] == 0:  # greedy, the random model repeats itself and n-grams match; sampled, they do not
+        # Greedy, the random model repeats itself and n-grams match; sampled, they do not. Adaptive verification may
+        # rightly verify none (it follows measured step times, which on a busy CI machine are noise at this size).
+        if row["temperature"] == 0 and row["arm"] != "adaptive":
             assert row["spec_decode_num_drafts"] > 0 and row["acceptance_length"] >= 1
         if row["arm"] == "adaptive":
             assert row["num_steps_without_drafting"] >= 0
