@@ -317,11 +317,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 # ---- bench throughput ---------------------------------------------------------------------------------------------
 
 
-def output_path(value: str | None) -> Path | None:
-    """--output-json, checked before a long run rather than after it."""
+def output_path(value: str | None, field: str = "output_json") -> Path | None:
+    """An output file flag (--output-json, --output-plot, ...), checked before a long run rather than after it."""
     output = Path(value) if value else None
     if output is not None and not output.parent.is_dir():
-        raise ConfigError("output_json", str(output), f"its directory {output.parent} does not exist")
+        raise ConfigError(field, str(output), f"its directory {output.parent} does not exist")
     return output
 
 
@@ -385,7 +385,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from dspark.engine.engine import LLMEngine
     from dspark.worker.profiler import cost_model_path
 
-    output, plot_path = output_path(args.output_json), output_path(args.output_plot)
+    output, plot_path = output_path(args.output_json), output_path(args.output_plot, "output_plot")
     config = engine_config(args)
     spec = config.spec or SpeculativeConfig(method="ngram")
     config.speculative_config = dataclasses.replace(spec, enable_adaptive_verification=True)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from dspark.cli import output_path
 from dspark.errors import ConfigError, DSparkError
 from dspark.spec.cost_model import CostModel
 from dspark.spec.scheduling import (
@@ -665,14 +666,6 @@ def add_parser(
     return p
 
 
-def _output(value: str | None, field: str) -> Path | None:
-    """An output path, checked before a run rather than after it."""
-    output = Path(value) if value else None
-    if output is not None and not output.parent.is_dir():
-        raise ConfigError(field, str(output), f"its directory {output.parent} does not exist")
-    return output
-
-
 def run(args: argparse.Namespace) -> int:
     if any(c < 1 for c in args.concurrency):
         raise ConfigError("concurrency", args.concurrency, "every value must be a positive integer")
@@ -682,7 +675,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("threshold", args.threshold, "must be in (0, 1]")
     if args.steps is not None and args.steps < 1:
         raise ConfigError("steps", args.steps, "must be a positive integer")
-    output_json, output_plot = _output(args.output_json, "output_json"), _output(args.output_plot, "output_plot")
+    output_json, output_plot = (
+        output_path(args.output_json, "output_json"),
+        output_path(args.output_plot, "output_plot"),
+    )
     trace = load_trace(args.trace)
     specs = args.cost or ["b300"]
     curves = [(curve_name(spec), load_cost(spec)) for spec in specs]

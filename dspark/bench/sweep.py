@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from dspark.bench.prompts import BUILTIN_PROMPTS
 from dspark.bench.throughput import drain, machine_info, read_jsonl_prompts, tokenize
-from dspark.cli import add_engine_args, engine_config, write_json
+from dspark.cli import add_engine_args, engine_config, output_path, write_json
 from dspark.config import MAX_SPECULATIVE_TOKENS, EngineConfig, SamplingParams, SpeculativeConfig
 from dspark.engine.engine import LLMEngine
 from dspark.errors import ConfigError
@@ -522,14 +522,6 @@ def add_parser(
     return p
 
 
-def _output(value: str | None, field: str) -> Path | None:
-    """An output path, checked before a long run rather than after it."""
-    output = Path(value) if value else None
-    if output is not None and not output.parent.is_dir():
-        raise ConfigError(field, str(output), f"its directory {output.parent} does not exist")
-    return output
-
-
 def write_outputs(result: dict[str, Any], json_path: Path | None, plot_path: Path | None, md_path: Path | None) -> None:
     write_json(json_path, result)
     if plot_path is not None:
@@ -542,7 +534,7 @@ def write_outputs(result: dict[str, Any], json_path: Path | None, plot_path: Pat
 
 
 def cmd_bench_sweep(args: argparse.Namespace) -> int:
-    paths = [_output(getattr(args, f), f) for f in ("output_json", "output_plot", "output_md")]
+    paths = [output_path(getattr(args, f), f) for f in ("output_json", "output_plot", "output_md")]
     sweep = run_sweep(
         engine_config(args),
         arms=args.arm,
