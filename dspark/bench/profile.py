@@ -8,7 +8,6 @@ engine for a speculative config, then shows what it would plan with: the profile
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -46,7 +45,3 @@ def plot(cost: CostModel, path: Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def describe(cost: CostModel) -> dict[str, Any]:
-    return {"key": cost.key, "points": cost.table()}

@@ -39,7 +39,6 @@ MIN_CONFIDENCE = 1e-4  # a held draft keeps a positive survival: 0 means "no dra
 class _Copy:
     """An asynchronous device-to-host copy of one step's survivals."""
 
-    step: int
     request_ids: list[str]
     host: torch.Tensor  # [R, K]
     event: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
@@ -135,7 +134,6 @@ class VerificationPlanner:
         if self.adaptive and device.type == "cuda":  # compile the allocation kernel now, not in the first busy step
             allocate(torch.ones(2, num_spec_tokens, device=device), 1, torch.ones(2, dtype=torch.int64, device=device))
         self.device = device
-        self._step = 0
         self._smoothed: dict[str, torch.Tensor] = {}  # request id -> [K] smoothed confidences (device)
         self._live: dict[str, torch.Tensor] = {}  # request id -> [K] survivals of its pending drafts (device)
         self._raw: dict[str, torch.Tensor] = {}  # request id -> [K] its pending drafts' confidences before smoothing
@@ -204,15 +202,14 @@ class VerificationPlanner:
         self._publish(request_ids, live)
 
     def _publish(self, request_ids: list[str], live: torch.Tensor) -> None:
-        self._step += 1
         if live.is_cuda:
             host = torch.empty(live.shape, dtype=live.dtype, pin_memory=True)
             host.copy_(live, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._copies.append(_Copy(self._step, request_ids, host, event))
+            self._copies.append(_Copy(request_ids, host, event))
         else:
-            self._copies.append(_Copy(self._step, request_ids, live.clone(), None))
+            self._copies.append(_Copy(request_ids, live.clone(), None))
 
     def _harvest(self) -> None:
         """Take in the copies older than the newest one whose transfer has finished (never waits)."""

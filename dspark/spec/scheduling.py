@@ -107,12 +107,6 @@ def choose_budget_sync(
     return allocate(survival, budget, caps)
 
 
-def expected_tokens(survival: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """[R] expected tokens each request emits verifying counts[r] drafts: 1 + sum of its first counts[r] survivals."""
-    positions = torch.arange(survival.shape[1], device=survival.device)
-    return 1.0 + torch.where(positions[None, :] < counts[:, None], survival.double(), 0.0).sum(dim=1)
-
-
 def flat_layout(
     num_plain: torch.Tensor,  # [R] int: tokens each request feeds besides drafts (prompt chunk or last token)
     counts: torch.Tensor,  # [R] int: drafts each request verifies (allocate)

@@ -12,7 +12,6 @@ from dspark.spec.scheduling import (
     allocate,
     choose_budget,
     choose_budget_sync,
-    expected_tokens,
     flat_layout,
     smooth_confidences,
     survival,
@@ -160,11 +159,6 @@ def test_allocation_ignores_which_request_holds_a_tied_value() -> None:
     a = torch.tensor([[0.5, 0.25], [0.5, 0.25], [0.5, 0.5]])
     assert allocate(a, 4).tolist() == [1, 1, 2]  # 0.5 x 4 slots: (0,0) (1,0) (2,0) then (2,1)
     assert allocate(a, 3).tolist() == [1, 1, 1]
-
-
-def test_expected_tokens_counts_the_bonus() -> None:
-    a = torch.tensor([[0.9, 0.45, 0.1], [0.5, 0.25, 0.0]])
-    assert torch.allclose(expected_tokens(a, torch.tensor([2, 0])), torch.tensor([2.35, 1.0], dtype=torch.float64))
 
 
 def test_flat_layout_matches_the_host_builder() -> None:
