@@ -14,12 +14,15 @@ from dspark.train.calibrate import (
 )
 
 
-def _synthetic(n: int, true_temps: list[float], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits, and how many drafts of each block survive when draft k survives with sigmoid(logit_k / T_k)."""
+def _synthetic(
+    n: int, true_temps: list[float], seed: int = 0, true_biases: list[float] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits, and how many drafts of each block survive when draft k survives with sigmoid(logit_k / T_k + b_k)."""
     g = torch.Generator().manual_seed(seed)
     k = len(true_temps)
     logits = torch.randn(n, k, generator=g, dtype=torch.float64) * 2 + 1
-    p = torch.sigmoid(logits / torch.tensor(true_temps, dtype=torch.float64))
+    shift = torch.tensor(true_biases or [0.0] * k, dtype=torch.float64)
+    p = torch.sigmoid(logits / torch.tensor(true_temps, dtype=torch.float64) + shift)
     alive = torch.rand(n, k, generator=g, dtype=torch.float64) < p
     num_accepted = torch.cumprod(alive.long(), dim=1).sum(1)
     return logits, num_accepted
@@ -39,25 +42,42 @@ def test_survival_outcomes() -> None:
 
 def test_sts_recovers_the_temperatures_and_calibrates_survival() -> None:
     true_temps = [0.5, 2.0, 1.0, 3.0]
-    logits, accepted = _synthetic(40000, true_temps)
+    logits, accepted = _synthetic(20000, true_temps)
     survived = survival_outcomes(accepted, 4)
-    temps = fit_sts(logits, survived)
+    temps, biases = fit_sts(logits, survived)
     for got, want in zip(temps, true_temps, strict=True):
         assert abs(got / want - 1) < 0.15, (temps, true_temps)
-    held_out_logits, held_out_accepted = _synthetic(40000, true_temps, seed=1)
+    assert biases == [0.0] * 4  # no shift where none is needed
+    held_out_logits, held_out_accepted = _synthetic(20000, true_temps, seed=1)
     held_out = survival_outcomes(held_out_accepted, 4)
     before = calibrated_survival(held_out_logits, [1.0] * 4)
-    after = calibrated_survival(held_out_logits, temps)
+    after = calibrated_survival(held_out_logits, temps, biases)
     for k in range(4):
         ece_before = expected_calibration_error(before[:, k], held_out[:, k])
         ece_after = expected_calibration_error(after[:, k], held_out[:, k])
         assert ece_after < 0.02 and ece_after <= ece_before, (k, ece_before, ece_after)
 
 
+def test_an_overconfident_head_needs_the_shift() -> None:
+    """Drafts survive far less often than the head says (sigmoid(logit - 2)): no temperature alone can bring positive
+    logits under 0.5; the fitted shift does, and the ECE on new blocks falls below 2%."""
+    true_temps, true_biases = [1.0, 1.5, 0.8], [-2.0, -1.0, -1.5]
+    logits, accepted = _synthetic(20000, true_temps, true_biases=true_biases)
+    temps, biases = fit_sts(logits, survival_outcomes(accepted, 3))
+    assert abs(biases[0] + 2.0) < 0.35 and abs(temps[0] - 1.0) < 0.2, (temps, biases)
+    new_logits, new_accepted = _synthetic(20000, true_temps, seed=2, true_biases=true_biases)
+    new = survival_outcomes(new_accepted, 3)
+    temp_only = fit_sts(logits, survival_outcomes(accepted, 3), bias_grid=torch.zeros(1, dtype=torch.float64))
+    for k in range(3):
+        shifted = expected_calibration_error(calibrated_survival(new_logits, temps, biases)[:, k], new[:, k])
+        scaled = expected_calibration_error(calibrated_survival(new_logits, *temp_only)[:, k], new[:, k])
+        assert shifted < 0.02 < scaled, (k, shifted, scaled)
+
+
 def test_sts_preserves_the_order_of_confidences_at_each_position() -> None:
     logits, accepted = _synthetic(5000, [0.7, 1.5])
-    temps = fit_sts(logits, survival_outcomes(accepted, 2))
-    a = calibrated_survival(logits, temps)
+    temps, biases = fit_sts(logits, survival_outcomes(accepted, 2), bias_grid=torch.tensor([-1.0, 0.5]))
+    a = calibrated_survival(logits, temps, biases)
     c = torch.sigmoid(logits[:, 0])
     assert torch.equal(torch.argsort(a[:, 0]), torch.argsort(c))  # position 1: a monotone map of the raw confidence
     assert (a[:, 1] <= a[:, 0]).all()
@@ -111,3 +131,5 @@ def test_calibrate_drafter_from_a_fixed_k_trace(tmp_path: Path) -> None:
     loaded = DSparkConfig.from_json(json.loads((drafter / "config.json").read_text()), "test")
     assert loaded.sts_temperatures is not None and list(loaded.sts_temperatures[:4]) == temps
     assert loaded.sts_temperatures[4:] == (1.0, 1.0)  # past the trace's K: untouched
+    assert loaded.sts_biases is not None and list(loaded.sts_biases[:4]) == report["biases"]
+    assert loaded.sts_biases[4:] == (0.0, 0.0)

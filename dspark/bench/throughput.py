@@ -10,6 +10,7 @@ exactly the same weights (a GGUF's dequantised ones included) in the same dtype.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import platform
@@ -71,10 +72,12 @@ def load_prompts(dataset_path: str | None, num_prompts: int) -> list[str]:
 
 
 def read_jsonl_prompts(path: Path) -> list[str]:
-    """Prompts from a JSON-lines file: each line's "prompt", else its first "turns" entry, else its "question"."""
+    """Prompts from a JSON-lines file (gzipped if it ends in .gz): each line's "prompt", else its first "turns" entry,
+    else its "question"."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        lines = raw.decode("utf-8").splitlines()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
         raise ConfigError("dataset_path", str(path), f"a readable UTF-8 JSON-lines file ({e})") from None
     prompts = []
     for lineno, line in enumerate(lines, 1):

@@ -18,7 +18,7 @@ from dspark.engine.request import Logprob, Request, RequestStatus
 from dspark.engine.scheduler import Scheduler
 from dspark.errors import ConfigError, DSparkError
 from dspark.models.loader import load_model
-from dspark.models.registry import resolve_model
+from dspark.models.registry import SHIPPED_DRAFTERS, resolve_model, shipped_drafter
 from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dspark.spec.cost_model import CostModel
 from dspark.spec.drafter import make_drafter
@@ -144,14 +144,22 @@ class LLMEngine:
         from dspark.spec.dspark.checkpoint import load_drafter
 
         assert self.spec is not None
-        if self.spec.model is None:
+        return load_drafter(self._drafter_path(), self.model_config, self.dtype, self.device)
+
+    def _drafter_path(self) -> Path:
+        """The spec's drafter directory, or the one shipped for the target alias when it names none."""
+        assert self.spec is not None
+        if self.spec.model is not None:
+            return resolve_model(self.spec.model)
+        shipped = shipped_drafter(self.config.model)
+        if shipped is None:
             raise ConfigError(
                 "speculative_config.model",
                 None,
-                "the 'dspark' method needs a drafter directory (no drafter ships for this target yet); "
-                "or use the 'ngram' method",
+                f"the 'dspark' method needs a drafter directory for {self.config.model!r} (one ships only for "
+                f"{', '.join(SHIPPED_DRAFTERS)}); or use the 'ngram' method",
             )
-        return load_drafter(resolve_model(self.spec.model), self.model_config, self.dtype, self.device)
+        return shipped
 
     def _make_planner(self, cost_model: CostModel | None) -> VerificationPlanner:
         assert self.spec is not None
@@ -159,7 +167,7 @@ class LLMEngine:
         if mode != "fixed" and cost_model is None:
             identity = {
                 "model": str(resolve_model(self.config.model)),
-                "drafter": self.spec.method + (f":{self.spec.model}" if self.spec.model else ""),
+                "drafter": self.spec.method + (f":{self._drafter_path()}" if self.spec.method == "dspark" else ""),
                 "verify": self.runner.verify_method,
                 "dtype": str(self.dtype),
                 "max_model_len": self.max_model_len,
@@ -182,7 +190,7 @@ class LLMEngine:
         return {
             "K": self.num_spec_tokens,
             "method": self.spec.method,
-            "drafter": self.spec.model,
+            "drafter": str(self._drafter_path()) if self.spec.method == "dspark" else None,
             "model": self.config.model,
             "device": str(self.device),
             "dtype": str(self.dtype),

@@ -39,6 +39,16 @@ ALIASES = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# DSpark drafters shipped inside the package (dspark/assets/<dir>), for the aliases they were trained on: used when
+# `"method": "dspark"` comes without a "model".
+SHIPPED_DRAFTERS = {"smollm2-135m-instruct": "smollm2-135m-dspark"}
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def shipped_drafter(model: str) -> Path | None:
+    """The drafter that ships for this target alias, if one does."""
+    name = SHIPPED_DRAFTERS.get(model.lower())
+    return ASSETS / name if name is not None and (ASSETS / name / "config.json").exists() else None
 
 
 def cache_dir() -> Path:

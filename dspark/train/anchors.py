@@ -53,10 +53,12 @@ def sample_blocks(
 
 
 def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """[B*K, context_len + B*K] bool (True = may attend) for packing B blocks of one sequence into one pass: a block's
-    queries see context keys before its anchor and every key of their own block (bidirectional), nothing else."""
-    b = anchors.numel()
-    ctx = torch.arange(context_len)[None, :] < anchors[:, None]  # [B, C]
-    own = torch.eye(b, dtype=torch.bool)  # [B, B]
-    rows = torch.cat([ctx, own.repeat_interleave(block_size, dim=1)], dim=1)  # [B, C + B*K]
-    return rows.repeat_interleave(block_size, dim=0)
+    """[B] anchors -> [B*K, context_len + B*K] bool (True = may attend), or [N, B] -> [N, B*K, context_len + B*K], for
+    packing B blocks of a sequence into one pass: a block's queries see context keys before its anchor and every key
+    of their own block (bidirectional), nothing else. No row is empty: a block always sees itself."""
+    rows = anchors if anchors.dim() == 2 else anchors[None]
+    b = rows.shape[1]
+    ctx = torch.arange(context_len, device=rows.device)[None, None, :] < rows[:, :, None]  # [N, B, C]
+    own = torch.eye(b, dtype=torch.bool, device=rows.device).repeat_interleave(block_size, dim=1)  # [B, B*K]
+    mask = torch.cat([ctx, own.expand(rows.shape[0], b, b * block_size)], dim=2).repeat_interleave(block_size, dim=1)
+    return mask if anchors.dim() == 2 else mask[0]

@@ -1,9 +1,14 @@
 """Sequential Temperature Scaling (STS): calibrate a drafter's confidences so their running products are survivals.
 
 The scheduler needs a_k = prod_{i<=k} c_i to be the probability that drafts 1..k all survive verification. STS fits
-one temperature per position, left to right: c_k = sigmoid(logit_k / T_k), with T_k chosen by grid search to minimise
-the expected calibration error (ECE) of the cumulative product at position k on held-out drafts, the earlier
-positions' temperatures already fixed. A positive temperature keeps each position's order of confidences.
+one temperature per position, left to right: c_k = sigmoid(logit_k / T_k + b_k), with (T_k, b_k) chosen by grid
+search to minimise the expected calibration error (ECE) of the cumulative product at position k on held-out drafts,
+the earlier positions' already fixed. A positive temperature keeps each position's order of confidences.
+
+The shift b_k extends the paper's temperature-only STS: a temperature cannot move a logit across 0, so a head that
+says "more likely than not" where drafts survive 30% of the time (what a drafter trained on few sequences learns:
+it is more confident on its training answers than on new ones) stays at >= 0.5 at any T. b_k = 0 recovers STS, and
+within 0.2 points of the best ECE the smallest |b_k| is taken.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from pathlib import Path
 import torch
 
 DEFAULT_GRID = torch.logspace(-1.0, 1.0, 81, dtype=torch.float64)  # T in [0.1, 10]
+DEFAULT_BIAS_GRID = torch.arange(-60, 61, dtype=torch.float64) / 10  # b in [-6, 6], steps of 0.1 (0 exactly)
+ECE_TOLERANCE = 0.002
 NUM_BINS = 20
 
 
@@ -29,6 +36,18 @@ def expected_calibration_error(predicted: torch.Tensor, outcome: torch.Tensor, n
     return float(gap.abs().sum() / counts.sum())
 
 
+def _ece_rows(predicted: torch.Tensor, outcome: torch.Tensor, num_bins: int = NUM_BINS) -> torch.Tensor:
+    """expected_calibration_error of each row of predicted [R, N] against one outcome [N], in one pass."""
+    r, n = predicted.shape
+    if n == 0:
+        return torch.zeros(r, dtype=torch.float64)
+    bins = (predicted.double() * num_bins).long().clamp_(0, num_bins - 1)
+    bins += torch.arange(r)[:, None] * num_bins
+    gap = torch.bincount(bins.flatten(), weights=predicted.double().flatten(), minlength=r * num_bins)
+    gap -= torch.bincount(bins.flatten(), weights=outcome.double().expand(r, n).flatten(), minlength=r * num_bins)
+    return gap.view(r, num_bins).abs().sum(1) / n
+
+
 def survival_outcomes(num_accepted: torch.Tensor, num_positions: int) -> torch.Tensor:
     """[N] accepted drafts per verified block (all K verified) -> [N, K] 1.0 where drafts 1..k all survived."""
     return (torch.arange(num_positions)[None, :] < num_accepted[:, None]).double()
@@ -38,31 +57,49 @@ def fit_sts(
     logits: torch.Tensor,  # [N, K] confidence logits of held-out drafts
     survived: torch.Tensor,  # [N, K] 1.0 where drafts 1..k all survived (survival_outcomes)
     grid: torch.Tensor = DEFAULT_GRID,
-) -> list[float]:
-    """Per-position temperatures T_1..T_K, fitted left to right on the ECE of the running product."""
+    bias_grid: torch.Tensor = DEFAULT_BIAS_GRID,
+) -> tuple[list[float], list[float]]:
+    """Per-position temperatures T_1..T_K and shifts b_1..b_K, fitted left to right on the ECE of the running
+    product."""
     z = logits.double()
     temps: list[float] = []
+    biases: list[float] = []
     prefix = torch.ones(z.shape[0], dtype=torch.float64)  # survival up to the previous position, calibrated
     for k in range(z.shape[1]):
-        candidates = prefix[None, :] * torch.sigmoid(z[None, :, k] / grid[:, None])  # [G, N]
-        errors = [expected_calibration_error(c, survived[:, k]) for c in candidates]
-        best = min(range(len(errors)), key=lambda i: (errors[i], abs(float(grid[i]) - 1.0)))  # ties: nearest T=1
-        temps.append(float(grid[best]))
-        prefix = candidates[best]
-    return temps
+        scored = []  # (ece, T, b) of every grid point
+        for t in grid.tolist():
+            candidates = prefix[None, :] * torch.sigmoid(z[None, :, k] / t + bias_grid[:, None])  # [B, N]
+            scored += zip(
+                _ece_rows(candidates, survived[:, k]).tolist(), [t] * len(bias_grid), bias_grid.tolist(), strict=True
+            )
+        # The simplest scaling within ECE_TOLERANCE of the best: the smallest shift, then the lowest ECE. Sampling
+        # noise alone would otherwise trade a little of T for a shift the data does not call for.
+        best = min(e for e, _, _ in scored)
+        _, t, b = min((abs(b), e, t, b) for e, t, b in scored if e <= best + ECE_TOLERANCE)[1:]
+        temps.append(t)
+        biases.append(b)
+        prefix = prefix * torch.sigmoid(z[:, k] / t + b)
+    return temps, biases
 
 
-def calibrated_survival(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
-    """[N, K] logits -> [N, K] survivals a_k = prod_{i<=k} sigmoid(logit_i / T_i)."""
+def calibrated_survival(
+    logits: torch.Tensor, temperatures: list[float], biases: list[float] | None = None
+) -> torch.Tensor:
+    """[N, K] logits -> [N, K] survivals a_k = prod_{i<=k} sigmoid(logit_i / T_i + b_i)."""
     t = torch.tensor(temperatures, dtype=torch.float64)
-    return torch.cumprod(torch.sigmoid(logits.double() / t), dim=-1)
+    b = torch.tensor(biases or [0.0] * len(temperatures), dtype=torch.float64)
+    return torch.cumprod(torch.sigmoid(logits.double() / t + b), dim=-1)
 
 
-def logits_from_confidences(confidences: torch.Tensor, temperatures: list[float] | None = None) -> torch.Tensor:
-    """Invert the drafter's c = sigmoid(logit / T): recorded (calibrated) confidences -> the head's raw logits."""
+def logits_from_confidences(
+    confidences: torch.Tensor, temperatures: list[float] | None = None, biases: list[float] | None = None
+) -> torch.Tensor:
+    """Invert the drafter's c = sigmoid(logit / T + b): recorded (calibrated) confidences -> the head's raw logits."""
     c = confidences.double().clamp(1e-12, 1 - 1e-12)
-    t = torch.tensor(temperatures or [1.0] * c.shape[1], dtype=torch.float64)[: c.shape[1]]
-    return torch.logit(c) * t
+    k = c.shape[1]
+    t = torch.tensor(temperatures or [1.0] * k, dtype=torch.float64)[:k]
+    b = torch.tensor(biases or [0.0] * k, dtype=torch.float64)[:k]
+    return (torch.logit(c) - b) * t
 
 
 def calibrate_drafter(trace_path: Path, drafter_dir: Path) -> dict[str, object]:
@@ -79,18 +116,29 @@ def calibrate_drafter(trace_path: Path, drafter_dir: Path) -> dict[str, object]:
     config = json.loads(config_path.read_text())
     # Our checkpoints keep the drafter's own keys under "dspark_config"; a top-level key overrides it on load.
     nested = config.get("dspark_config") if isinstance(config.get("dspark_config"), dict) else None
-    old = config.get("sts_temperatures", (nested or {}).get("sts_temperatures"))
+    own = nested if nested is not None else config
+    old = config.get("sts_temperatures", own.get("sts_temperatures"))
+    old_biases = config.get("sts_biases", own.get("sts_biases"))
     block_size = int(config.get("block_size", trace.K))
     conf = torch.tensor([b.confidences for b in blocks], dtype=torch.float64)
-    logits = logits_from_confidences(conf, old)
+    logits = logits_from_confidences(conf, old, old_biases)
     survived = survival_outcomes(torch.tensor([b.accepted for b in blocks]), trace.K)
-    temps = fit_sts(logits, survived)
-    before = expected_calibration_error(calibrated_survival(logits, (old or [1.0] * block_size)[: trace.K]), survived)
-    after = expected_calibration_error(calibrated_survival(logits, temps), survived)
-    # Positions past the trace's K keep their temperature (1 if none was fitted before).
-    config.pop("sts_temperatures", None)
-    (nested if nested is not None else config)["sts_temperatures"] = temps + list(
-        (old or [1.0] * block_size)[trace.K :]
+    temps, biases = fit_sts(logits, survived)
+    old_k = (old or [1.0] * block_size)[: trace.K]
+    before = expected_calibration_error(
+        calibrated_survival(logits, old_k, (old_biases or [0.0] * block_size)[: trace.K]), survived
     )
+    after = expected_calibration_error(calibrated_survival(logits, temps, biases), survived)
+    # Positions past the trace's K keep their scaling (identity if none was fitted before).
+    config.pop("sts_temperatures", None)
+    config.pop("sts_biases", None)
+    own["sts_temperatures"] = temps + list((old or [1.0] * block_size)[trace.K :])
+    own["sts_biases"] = biases + list((old_biases or [0.0] * block_size)[trace.K :])
     config_path.write_text(json.dumps(config, indent=2) + "\n")
-    return {"num_blocks": len(blocks), "temperatures": temps, "ece_before": before, "ece_after": after}
+    return {
+        "num_blocks": len(blocks),
+        "temperatures": temps,
+        "biases": biases,
+        "ece_before": before,
+        "ece_after": after,
+    }

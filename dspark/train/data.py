@@ -19,6 +19,7 @@ import json
 import random
 import re
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,19 +137,28 @@ def regenerate(
     max_tokens: int = 256,
     temperature: float = 1.0,
     seed: int = 0,
+    deadline: float | None = None,
 ) -> list[Sequence]:
-    """The target's own answers: each prompt (chat-templated or raw) sampled samples_per_prompt times, in one batch."""
-    ids, params = [], []
+    """The target's own answers: each prompt (chat-templated or raw) sampled samples_per_prompt times, all queued at
+    once. With a deadline (time.monotonic()), requests still unfinished then are aborted and left out."""
+    engine = llm.engine
+    ids: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         prompt_ids = (
             llm.apply_chat_template([{"role": "user", "content": p.text}]) if p.chat else llm.tokenizer.encode(p.text)
         )
         for j in range(samples_per_prompt):
-            ids.append(prompt_ids)
-            params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i * 1000 + j))
-    outs = llm.generate(ids, params)
-    return [
-        Sequence(list(p) + list(o.outputs[0].token_ids), len(p))
-        for p, o in zip(ids, outs, strict=True)
-        if o.outputs[0].token_ids
-    ]
+            params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i * 1000 + j)
+            ids[engine.add_request(prompt_ids, params)] = prompt_ids
+    done: dict[str, Sequence] = {}
+    try:
+        while engine.has_unfinished_requests():
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            for out in engine.step():
+                if out.finished and out.outputs[0].token_ids:
+                    p = ids[out.request_id]
+                    done[out.request_id] = Sequence(list(p) + list(out.outputs[0].token_ids), len(p))
+    finally:
+        engine.abort_request([r for r in ids if r not in done])
+    return [done[r] for r in ids if r in done]  # in submission order

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import random
+import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,8 @@ from dspark.errors import ConfigError
 from dspark.llm import LLM
 from dspark.spec.dspark.checkpoint import load_drafter, random_drafter, save_drafter
 from dspark.spec.dspark.config import DSparkConfig
-from dspark.train.data import load_sequences, prompt_pool, regenerate, save_sequences
-from dspark.train.trainer import make_optimizer, optimiser_step, sequence_loss
+from dspark.train.data import Sequence, load_sequences, prompt_pool, regenerate, save_sequences
+from dspark.train.trainer import batch_loss, make_optimizer, optimiser_step, pad_batch
 
 
 @dataclass
@@ -33,16 +35,18 @@ class TrainConfig:
     output_dir: str
     num_layers: int = 2
     block_size: int = 7
-    markov_rank: int = 64
+    markov_rank: int = 32
     steps: int = 2000
     lr: float = 6e-4
     blocks_per_sequence: int = 16
+    batch_size: int = 8  # sequences per optimiser step
     prompts_per_source: int = 500
     samples_per_prompt: int = 1
     max_tokens: int = 256
     temperature: float = 1.0
     checkpoint_every: int = 200
     seed: int = 0
+    time_limit: float | None = None  # seconds: stop early (checkpointed), resume later with the same settings
 
 
 def _save_state(run: Path, optimizer: torch.optim.Optimizer, scheduler: Any, step: int, model: torch.nn.Module) -> None:
@@ -117,14 +121,15 @@ def train_drafter(cfg: TrainConfig, llm: LLM, progress: bool = True) -> dict[str
     g = torch.Generator().manual_seed(cfg.seed + start)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, desc="train-drafter")
+    batches = _batches(sequences, cfg.batch_size, rng)
     running_loss = running_acc = None
     history = []
+    began = time.monotonic()
     for step in bar:
-        seq = sequences[rng.randrange(len(sequences))]
-        tokens = torch.tensor(seq.tokens, device=device)
-        mask = torch.arange(len(seq.tokens), device=device) >= seq.num_prompt_tokens
+        batch = next(batches)
+        tokens, mask = pad_batch([(seq.tokens, seq.num_prompt_tokens) for seq in batch], device)
         with autocast:
-            losses = sequence_loss(model, target, tokens, mask, cfg.blocks_per_sequence, g)
+            losses = batch_loss(model, target, tokens, mask, cfg.blocks_per_sequence, g)
         if losses is None:
             continue
         optimiser_step(model, optimizer, scheduler, losses.total)
@@ -132,8 +137,35 @@ def train_drafter(cfg: TrainConfig, llm: LLM, progress: bool = True) -> dict[str
         running_loss = loss if running_loss is None else 0.98 * running_loss + 0.02 * loss
         running_acc = losses.acceptance if running_acc is None else 0.98 * running_acc + 0.02 * losses.acceptance
         bar.set_postfix(loss=f"{running_loss:.3f}", accept=f"{running_acc:.3f}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+        out_of_time = cfg.time_limit is not None and time.monotonic() - began > cfg.time_limit
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps or out_of_time:
             save_drafter(model, drafter_dir)
             _save_state(run, optimizer, scheduler, step + 1, model)
             history.append({"step": step + 1, "loss": running_loss, "acceptance": running_acc})
-    return {"steps": cfg.steps, "sequences": len(sequences), "history": history}
+        if out_of_time:
+            break
+    bar.close()
+    done = history[-1]["step"] if history else start
+    return {
+        "steps": cfg.steps,
+        "steps_done": done,
+        "finished": done >= cfg.steps,
+        "sequences": len(sequences),
+        "seconds": round(time.monotonic() - began, 1),
+        "history": history,
+    }
+
+
+def _batches(sequences: list[Sequence], size: int, rng: random.Random) -> Iterator[list[Sequence]]:
+    """Endless batches, every sequence once per epoch: shuffled, then grouped with sequences of similar length (less
+    padding) in windows of 16 batches, the batches themselves shuffled."""
+    while True:
+        order = list(sequences)
+        rng.shuffle(order)
+        window = size * 16
+        batches = []
+        for w in range(0, len(order), window):
+            chunk = sorted(order[w : w + window], key=lambda q: len(q.tokens))
+            batches += [chunk[i : i + size] for i in range(0, len(chunk), size)]
+        rng.shuffle(batches)
+        yield from batches

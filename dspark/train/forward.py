@@ -1,12 +1,15 @@
-"""The DSpark drafter's training forward: many blocks of one target-generated sequence in one dense pass.
+"""The DSpark drafter's training forward: many blocks of N target-generated sequences in one dense pass.
 
 Inference drafts one block per request over a paged context cache (spec/dspark/proposer.py); training packs B blocks
-of one sequence, anchored at different positions, into one pass with an explicit mask (train/anchors.py): each block
-attends to the context features strictly before its anchor and bidirectionally to itself, exactly what the paged
-path computes for a block at that anchor (tests/spec/test_dspark_drafter.py checks both against one dense reference).
+per sequence, anchored at different positions, into one pass with an explicit mask (train/anchors.py): each block
+attends to its own sequence's context features strictly before its anchor and bidirectionally to itself, exactly
+what the paged path computes for a block at that anchor (tests/spec/test_dspark_drafter.py checks both against one
+dense reference). Sequences are right-padded to one length S; padding is never attended (it follows every real
+position of its row, and anchors lie before it).
 
-The target is frozen and run online, once per sequence, for both what the drafter reads (its tapped layers) and what
-it learns from (its logits at the block positions): no feature cache.
+The target is frozen and run online, once per batch, for both what the drafter reads (its tapped layers) and what
+it learns from (its logits at the block positions): no feature cache. It runs with plain causal attention over the
+padded batch (DenseCausalAttention), not the engine's paged path: training needs no cache.
 """
 
 from __future__ import annotations
@@ -20,78 +23,92 @@ from dspark.models.llama import CausalLM, apply_rotary
 from dspark.spec.dspark.model import DSparkModel
 from dspark.train.anchors import block_attention_mask
 from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache
-from dspark.worker.attention.torch_ref import TorchAttention
 
-SCRATCH_BLOCK = 16
+
+class DenseCausalAttention:
+    """Training-only attention backend: N right-padded sequences of S tokens each, causal, no cache. Padding sits after
+    every real token of its row, so no real position ever sees it."""
+
+    name = "dense-causal"
+
+    def __init__(self, batch: int, seq: int) -> None:
+        self.batch, self.seq = batch, seq
+
+    def prepare(self, meta: AttentionMetadata, num_kv_heads: int, num_heads: int, block_size: int) -> None:
+        pass
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [N * S, num_heads, head_dim]
+        k: torch.Tensor,  # [N * S, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        cache: KVCache | None,
+        meta: AttentionMetadata | None,
+        scale: float,
+    ) -> torch.Tensor:
+        n, s = self.batch, self.seq
+        group = q.shape[1] // k.shape[1]
+        qh = q.view(n, s, *q.shape[1:]).transpose(1, 2)
+        kh = k.view(n, s, *k.shape[1:]).repeat_interleave(group, dim=2).transpose(1, 2)
+        vh = v.view(n, s, *v.shape[1:]).repeat_interleave(group, dim=2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        return o.transpose(1, 2).reshape(n * s, *q.shape[1:])
 
 
 @dataclass
 class TargetPass:
-    hidden: torch.Tensor  # [S, H] the target's final (normed) states
-    taps: torch.Tensor  # [S, n_taps * H] its tapped layers' raw outputs
+    hidden: torch.Tensor  # [N, S, H] the target's final (normed) states
+    taps: torch.Tensor  # [N, S, n_taps * H] its tapped layers' raw outputs
 
 
 @torch.no_grad()
 def target_pass(target: CausalLM, tokens: torch.Tensor, tap_layers: tuple[int, ...]) -> TargetPass:
-    """Prefill one sequence through the frozen target (its own attention, a scratch paged cache)."""
-    cfg, n, dev = target.config, tokens.numel(), tokens.device
-    dtype = target.lm_head.weight.dtype
-    nb = -(-n // SCRATCH_BLOCK)
-    shape = (nb, SCRATCH_BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    caches = [
-        KVCache(torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev))
-        for _ in range(cfg.num_layers)
-    ]
-    meta = AttentionMetadata(
-        num_actual_tokens=n,
-        slot_mapping=torch.arange(n, device=dev),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-        block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
-        query_start_loc_cpu=[0, n],
-        seq_lens_cpu=[n],
-        max_query_len=n,
-        max_seq_len=n,
-    )
-    backend = TorchAttention()
-    backend.prepare(meta, cfg.num_kv_heads, cfg.num_heads, SCRATCH_BLOCK)
-    hidden, taps = target.forward_with_taps(
-        tokens, torch.arange(n, device=dev), AttentionContext(backend, meta, caches), tap_layers
-    )
-    return TargetPass(hidden, taps if taps is not None else hidden.new_zeros(n, 0))
+    """Prefill N right-padded sequences [N, S] through the frozen target (dense causal attention, no cache)."""
+    n, s = tokens.shape
+    positions = torch.arange(s, device=tokens.device).repeat(n)
+    ctx = AttentionContext(DenseCausalAttention(n, s), None, [None] * target.config.num_layers)  # type: ignore[arg-type]
+    hidden, taps = target.forward_with_taps(tokens.flatten(), positions, ctx, tap_layers)
+    taps = taps if taps is not None else hidden.new_zeros(n * s, 0)
+    return TargetPass(hidden.view(n, s, -1), taps.view(n, s, -1))
 
 
 def block_states(
     model: DSparkModel,
     embed: torch.nn.Embedding,  # the target's
-    tokens: torch.Tensor,  # [S] the sequence
-    features: torch.Tensor,  # [S, H] context features of every position (model.context_features of the taps)
-    anchors: torch.Tensor,  # [B] int64, each >= 1 and < S
-) -> torch.Tensor:  # [B, K, H] the blocks' final (normed) states
+    tokens: torch.Tensor,  # [N, S] right-padded sequences
+    features: torch.Tensor,  # [N, S, H] context features of every position (model.context_features of the taps)
+    anchors: torch.Tensor,  # [N, B] int64, each >= 1 and < the row's length
+) -> torch.Tensor:  # [N, B, K, H] the blocks' final (normed) states
     cfg = model.config
     k, nh, nkv, hd = cfg.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    b, s, dev = anchors.numel(), features.shape[0], features.device
-    n = b * k
-    x = model.mask_input(embed).to(features.dtype).expand(n, -1).clone()
-    x[torch.arange(b, device=dev) * k] = embed(tokens[anchors]).to(x.dtype)
-    rope_block = model.rotary((anchors[:, None] + torch.arange(k, device=dev)[None, :]).flatten())
-    rope_ctx = model.rotary(torch.arange(s, device=dev))
-    mask = block_attention_mask(anchors.cpu(), s, k).to(dev)[None, None]  # [1, 1, n, s + n]
+    (n, b), s, dev = anchors.shape, features.shape[1], features.device
+    m = b * k  # queries per row
+    x = model.mask_input(embed).to(features.dtype).expand(n, b, k, -1).clone()
+    x[:, :, 0] = embed(tokens.gather(1, anchors)).to(x.dtype)
+    x = x.view(n * m, -1)
+    rope_block = model.rotary((anchors[:, :, None] + torch.arange(k, device=dev)).flatten())
+    rope_ctx = model.rotary(torch.arange(s, device=dev).repeat(n))
+    mask = block_attention_mask(anchors, s, k)[:, None]  # [N, 1, m, s + m]
+    ctx_features = features.reshape(n * s, -1)
+
+    def heads(t: torch.Tensor, rows: int) -> torch.Tensor:  # [N * rows, h, hd] -> [N, nh, rows, hd]
+        return t.view(n, rows, t.shape[1], hd).repeat_interleave(nh // t.shape[1], dim=2).transpose(1, 2)
+
     for layer in model.layers:
         at = layer.self_attn
         h = layer.input_layernorm(x)
-        q = at.q_norm(at.q_proj(h).view(n, nh, hd))
-        kb = at.k_norm(at.k_proj(h).view(n, nkv, hd))
-        vb = at.v_proj(h).view(n, nkv, hd)
-        kc = at.k_norm(at.k_proj(features).view(s, nkv, hd))  # as write_context stores them
-        vc = at.v_proj(features).view(s, nkv, hd)
+        q = at.q_norm(at.q_proj(h).view(n * m, nh, hd))
+        kb = at.k_norm(at.k_proj(h).view(n * m, nkv, hd))
+        vb = at.v_proj(h).view(n * m, nkv, hd)
+        kc = at.k_norm(at.k_proj(ctx_features).view(n * s, nkv, hd))  # as write_context stores them
+        vc = at.v_proj(ctx_features).view(n * s, nkv, hd)
         q, kb, kc = apply_rotary(q, rope_block), apply_rotary(kb, rope_block), apply_rotary(kc, rope_ctx)
-        keys = torch.cat([kc, kb]).repeat_interleave(nh // nkv, dim=1).transpose(0, 1)[None]  # [1, nh, s + n, hd]
-        values = torch.cat([vc, vb]).repeat_interleave(nh // nkv, dim=1).transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=at.scale)
-        x = x + at.o_proj(o[0].transpose(0, 1).reshape(n, nh * hd))
+        keys = torch.cat([heads(kc, s), heads(kb, m)], dim=2)  # [N, nh, s + m, hd]
+        values = torch.cat([heads(vc, s), heads(vb, m)], dim=2)
+        o = F.scaled_dot_product_attention(heads(q, m), keys, values, attn_mask=mask, scale=at.scale)
+        x = x + at.o_proj(o.transpose(1, 2).reshape(n * m, nh * hd))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.norm(x).view(b, k, -1)
+    return model.norm(x).view(n, b, k, -1)
 
 
 def draft_outputs(

@@ -1,9 +1,9 @@
 """One training step of the DSpark drafter, and its optimiser (DESIGN.md section 6).
 
-Per target-generated sequence: the frozen target runs once (its tapped layers feed the drafter, its logits at the
-block positions are what the drafter learns), anchors are sampled in the response, the blocks run packed
-(train/forward.py), and the three losses are taken (train/losses.py). AdamW without weight decay, 4% linear warm-up
-then cosine decay, gradients clipped at 1.0.
+Per batch of target-generated sequences: the frozen target runs once (its tapped layers feed the drafter, its logits
+at the block positions are what the drafter learns), anchors are sampled in each response, the blocks run packed
+(train/forward.py), and the three losses are taken over all of them (train/losses.py). AdamW without weight decay,
+4% linear warm-up then cosine decay, gradients clipped at 1.0.
 """
 
 from __future__ import annotations
@@ -23,29 +23,51 @@ WARMUP_FRACTION = 0.04
 CLIP_NORM = 1.0
 
 
-def sequence_loss(
+def pad_batch(sequences: list[tuple[list[int], int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, num_prompt_tokens) per sequence -> right-padded tokens [N, S] and loss mask [N, S] (the responses)."""
+    s = max(len(t) for t, _ in sequences)
+    tokens = torch.zeros(len(sequences), s, dtype=torch.long)
+    mask = torch.zeros(len(sequences), s, dtype=torch.bool)
+    for i, (t, num_prompt) in enumerate(sequences):
+        tokens[i, : len(t)] = torch.tensor(t)
+        mask[i, num_prompt : len(t)] = True
+    return tokens.to(device), mask.to(device)
+
+
+def batch_loss(
     model: DSparkModel,
     target: CausalLM,
-    tokens: torch.Tensor,  # [S] prompt + the target's own response
-    loss_mask: torch.Tensor,  # [S] bool: the response
+    tokens: torch.Tensor,  # [N, S] right-padded: prompts + the target's own responses
+    loss_mask: torch.Tensor,  # [N, S] bool: the responses
     num_blocks: int,
     generator: torch.Generator,
 ) -> Losses | None:
-    """The losses of up to num_blocks blocks of one sequence; None when it has no valid anchor."""
+    """The losses of up to num_blocks blocks per sequence; None when no sequence has a valid anchor."""
     k = model.config.block_size
-    blocks = sample_blocks(tokens.cpu(), loss_mask.cpu(), k, num_blocks, generator)
-    if blocks.anchors.numel() == 0:
+    n, s = tokens.shape
+    cpu_tokens, cpu_mask = tokens.cpu(), loss_mask.cpu()
+    per_row = [sample_blocks(cpu_tokens[i], cpu_mask[i], k, num_blocks, generator) for i in range(n)]
+    b = max(bl.anchors.numel() for bl in per_row)
+    if b == 0:
         return None
+    # Rows with fewer blocks are padded with blocks at anchor 1 whose labels are all masked out of the losses.
+    anchors = torch.ones(n, b, dtype=torch.long)
+    labels = torch.zeros(n, b, k, dtype=torch.long)
+    mask = torch.zeros(n, b, k, dtype=torch.bool)
+    for i, bl in enumerate(per_row):
+        m = bl.anchors.numel()
+        anchors[i, :m], labels[i, :m], mask[i, :m] = bl.anchors, bl.labels, bl.mask
     dev = tokens.device
-    anchors, labels, mask = blocks.anchors.to(dev), blocks.labels.to(dev), blocks.mask.to(dev)
+    anchors, labels, mask = anchors.to(dev), labels.to(dev), mask.to(dev)
     out = target_pass(target, tokens, model.config.target_layer_ids)
-    positions = (anchors[:, None] + torch.arange(k, device=dev)[None, :]).clamp(max=tokens.numel() - 1)
+    positions = (anchors[:, :, None] + torch.arange(k, device=dev)).clamp(max=s - 1).view(n, b * k)
     with torch.no_grad():
-        target_logits = target.compute_logits(out.hidden[positions.flatten()]).view(*positions.shape, -1).float()
+        picked = out.hidden.gather(1, positions[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
+        target_logits = target.compute_logits(picked.flatten(0, 1)).view(n * b, k, -1).float()
     states = block_states(model, target.model.embed_tokens, tokens, model.context_features(out.taps), anchors)
-    previous = torch.cat([tokens[anchors][:, None], labels[:, :-1]], dim=1)  # teacher forcing
-    draft_logits, conf_logits = draft_outputs(model, target, states, previous)
-    return dspark_losses(draft_logits, target_logits, labels, mask, conf_logits)
+    previous = torch.cat([tokens.gather(1, anchors)[:, :, None], labels[:, :, :-1]], dim=2)  # teacher forcing
+    draft_logits, conf_logits = draft_outputs(model, target, states.flatten(0, 1), previous.flatten(0, 1))
+    return dspark_losses(draft_logits, target_logits, labels.flatten(0, 1), mask.flatten(0, 1), conf_logits)
 
 
 def make_optimizer(

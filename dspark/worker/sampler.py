@@ -123,9 +123,26 @@ class Sampler:
     def sample(self, probs: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         """Inverse-CDF sampling with one counter-based uniform per row (no generator state, no vocab-sized noise).
 
-        Greedy rows are one-hot in probs already (at the argmax of the processed logits)."""
-        tops = probs[: len(rows)].argmax(dim=-1).tolist() if any(r.greedy for r in rows) else []
-        return [tops[i] if r.greedy else inverse_cdf(probs[i], uniform(r.seed, r.counter)) for i, r in enumerate(rows)]
+        Greedy rows are one-hot in probs already (at the argmax of the processed logits). On an accelerator all rows
+        are drawn in one batched pass and reach the host in one copy (a per-row loop costs a device sync per request);
+        on CPU row by row, where there is no sync to save and torch's 2-D fp64 cumsum is several times slower."""
+        n = len(rows)
+        if probs.device.type == "cpu":
+            tops = probs[:n].argmax(dim=-1).tolist() if any(r.greedy for r in rows) else []
+            return [
+                tops[i] if r.greedy else inverse_cdf(probs[i], uniform(r.seed, r.counter)) for i, r in enumerate(rows)
+            ]
+        tokens = probs[:n].argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if not r.greedy]
+        if sampled:
+            u = torch.tensor([uniform(rows[i].seed, rows[i].counter) for i in sampled], dtype=torch.float64)
+            u = u.to(probs.device, non_blocking=True)
+            if len(sampled) == n:
+                tokens = inverse_cdf_rows(probs[:n], u)
+            else:
+                idx = torch.tensor(sampled).to(probs.device, non_blocking=True)
+                tokens[idx] = inverse_cdf_rows(probs[idx], u)
+        return tokens.tolist()
 
 
 def inverse_cdf(p: torch.Tensor, u: float) -> int:
@@ -144,7 +161,7 @@ def inverse_cdf_rows(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     idx = idx.clamp_(max=p.shape[-1] - 1)
     # NOTE: as in inverse_cdf, a rounding step onto a zero-probability token falls back to the last positive one.
-    last_positive = (p > 0).cumsum(-1).argmax(-1)
+    last_positive = p.shape[-1] - 1 - (p.flip(-1) > 0).int().argmax(-1)
     bad = p.gather(1, idx[:, None]).squeeze(1) <= 0
     return torch.where(bad, last_positive, idx)
 

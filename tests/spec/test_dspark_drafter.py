@@ -59,6 +59,11 @@ def _sts(block_size: int) -> tuple[float, ...]:
     return tuple((0.5, 1.0, 2.0, 1.5, 0.8)[i % 5] for i in range(block_size))
 
 
+def _sts_biases(block_size: int) -> tuple[float, ...]:
+    """Per-position confidence calibration shifts."""
+    return tuple((-0.7, 0.0, 1.2, -2.0)[i % 4] for i in range(block_size))
+
+
 @dataclass
 class Context:
     tokens: list[list[int]]  # per request, anchor last
@@ -136,7 +141,9 @@ def _drafter_config(target: CausalLM, variant: str = "learned_mask", block_size:
         confidence_head=variant != "no_confidence",
     )
     if variant == "mask_token":
-        cfg = dataclasses.replace(cfg, mask_token_id=MASK_ID, sts_temperatures=_sts(block_size))
+        cfg = dataclasses.replace(
+            cfg, mask_token_id=MASK_ID, sts_temperatures=_sts(block_size), sts_biases=_sts_biases(block_size)
+        )
     return cfg
 
 
@@ -268,7 +275,8 @@ class Dense:
         if head is not None:
             temps = torch.tensor(self.cfg.sts_temperatures or (1.0,) * self.cfg.block_size, dtype=torch.float64)
             z = torch.cat([hk[:k], self.w1[prev[:k]]], dim=-1) @ _w(head.proj)[0] + head.proj.bias.double()[0]
-            conf = torch.sigmoid(z / temps[:k])
+            biases = torch.tensor(self.cfg.sts_biases or (0.0,) * self.cfg.block_size, dtype=torch.float64)
+            conf = torch.sigmoid(z / temps[:k] + biases[:k])
         return Reference(logits, conf)
 
 
@@ -353,7 +361,8 @@ def test_training_forward_matches_the_dense_reference(
     anchors = torch.tensor([1, 7, 64, 120])
     dense = Dense(model, target)
     with torch.no_grad():
-        states = block_states(model, target.model.embed_tokens, tokens, model.context_features(taps), anchors)
+        features = model.context_features(taps)[None]
+        states = block_states(model, target.model.embed_tokens, tokens[None], features, anchors[None])[0]
         previous = torch.stack([tokens[a : a + K] for a in anchors.tolist()])  # the anchor, then the target's tokens
         logits, conf = draft_outputs(model, target, states, previous)
     for b, a in enumerate(anchors.tolist()):
@@ -364,7 +373,10 @@ def test_training_forward_matches_the_dense_reference(
         if ref.confidence is not None:
             assert conf is not None
             temps = torch.tensor(model.config.sts_temperatures or (1.0,) * K, dtype=torch.float64)
-            torch.testing.assert_close(torch.sigmoid(conf[b].double() / temps), ref.confidence, rtol=0, atol=1e-5)
+            biases = torch.tensor(model.config.sts_biases or (0.0,) * K, dtype=torch.float64)
+            torch.testing.assert_close(
+                torch.sigmoid(conf[b].double() / temps + biases), ref.confidence, rtol=0, atol=1e-5
+            )
 
 
 def test_reference_is_sensitive_to_the_markov_head(targets: dict[str, CausalLM], contexts: dict[str, Context]) -> None:
@@ -492,11 +504,12 @@ def test_dflash_style_config_loads(tmp_path: Path, targets: dict[str, CausalLM],
     cfg = loaded.config
     assert cfg.markov_rank == 8  # from markov_head.markov_w1.weight's shape
     assert cfg.mask_token_id == MASK_ID and cfg.target_layer_ids == (1, 3) and cfg.block_size == K
-    assert cfg.num_target_layers == TARGET_LAYERS and cfg.confidence_head and cfg.sts_temperatures is None
+    assert cfg.num_target_layers == TARGET_LAYERS and cfg.confidence_head
+    assert cfg.sts_temperatures is None and cfg.sts_biases is None
     assert not hasattr(loaded, "mask_embedding")
     for name, t in model.state_dict().items():
         assert torch.equal(t, loaded.state_dict()[name]), name
-    plain = random_drafter(dataclasses.replace(model.config, sts_temperatures=None))
+    plain = random_drafter(dataclasses.replace(model.config, sts_temperatures=None, sts_biases=None))
     plain.load_state_dict(model.state_dict())
     _same_proposals(plain, loaded, target, contexts["qwen3"])
 

@@ -9,7 +9,7 @@ import torch
 from dspark.models.loader import load_model
 from dspark.spec.dspark.checkpoint import random_drafter
 from dspark.spec.dspark.config import DSparkConfig
-from dspark.train.trainer import make_optimizer, optimiser_step, sequence_loss
+from dspark.train.trainer import batch_loss, make_optimizer, optimiser_step, pad_batch
 from helpers import make_hf_model
 
 
@@ -19,8 +19,8 @@ def _greedy(target: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
     tokens = list(prompt)
     for _ in range(n):
-        out = target_pass(target, torch.tensor(tokens), ())
-        tokens.append(int(target.compute_logits(out.hidden[-1:]).argmax()))
+        out = target_pass(target, torch.tensor([tokens]), ())
+        tokens.append(int(target.compute_logits(out.hidden[0, -1:]).argmax()))
     return tokens
 
 
@@ -36,15 +36,14 @@ def test_a_few_steps_raise_the_acceptance_estimate(tmp_path: Path) -> None:
     data = []
     for prompt in prompts:
         tokens = _greedy(target, prompt, 26)
-        mask = torch.tensor([i >= len(prompt) for i in range(len(tokens))])
-        data.append((torch.tensor(tokens), mask))
+        data.append((tokens, len(prompt)))
 
     steps = 60
     optimizer, scheduler = make_optimizer(model, steps, lr=3e-3)
     first, last = [], []
     for step in range(steps):
-        tokens, mask = data[step % len(data)]
-        losses = sequence_loss(model, target, tokens, mask, num_blocks=8, generator=g)
+        tokens, mask = pad_batch([data[step % len(data)]], torch.device("cpu"))
+        losses = batch_loss(model, target, tokens, mask, num_blocks=8, generator=g)
         assert losses is not None
         (first if step < len(data) else last).append((float(losses.total.detach()), losses.acceptance))
         optimiser_step(model, optimizer, scheduler, losses.total)

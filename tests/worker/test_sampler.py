@@ -265,3 +265,21 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
         assert [v for _, v in res.top_logprobs] == pytest.approx(lp[order[: r.num_logprobs]].tolist(), abs=1e-5)
     assert out[0].rank == 1 and out[0].token_id == int(logits[0].argmax())
     assert out[5].rank == 2  # the raw argmax was banned: the sampled token is second in the raw distribution
+
+
+def test_batched_inverse_cdf_equals_the_row_by_row_draw() -> None:
+    """inverse_cdf_rows (how sample() draws on an accelerator: one pass, one host copy) gives each row what
+    inverse_cdf (the CPU path) gives that row alone, including rows with zeros (filtered tokens) and one-hot rows."""
+    from dspark.worker.sampler import inverse_cdf, inverse_cdf_rows, uniform
+
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(64, 500, generator=g) * 3, dim=-1)
+    probs[::3, 100:] = 0.0  # filtered tails
+    probs[5] = torch.nn.functional.one_hot(torch.tensor(499), 500).float()  # a greedy row at the last token
+    u = [uniform(i, i * 5) for i in range(64)]
+    u[7] = 1.0 - 2.0**-53  # the largest uniform: rounding may land on the end of the CDF
+    got = inverse_cdf_rows(probs, torch.tensor(u, dtype=torch.float64)).tolist()
+    want = [inverse_cdf(probs[i], u[i]) for i in range(64)]
+    assert got == want
+    assert len(set(got)) > 20  # not vacuous: the rows drew many different tokens
+    assert all(probs[i, t] > 0 for i, t in enumerate(got))

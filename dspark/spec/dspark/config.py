@@ -2,7 +2,7 @@
 
 The file is a Qwen3-style config (hidden_size, heads, intermediate_size, num_hidden_layers, ...) for the draft layers
 plus the drafter's own keys, found at the top level or under "dspark_config" (DeepSpec) or "dflash_config" (DFlash):
-block_size (K), target_layer_ids, mask_token_id, markov_rank, confidence_head, sts_temperatures.
+block_size (K), target_layer_ids, mask_token_id, markov_rank, confidence_head, sts_temperatures, sts_biases.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ OWN_KEYS = (
     "markov_rank",
     "confidence_head",
     "sts_temperatures",
+    "sts_biases",
     "num_target_layers",
 )
 
@@ -60,6 +61,7 @@ class DSparkConfig:
     # vocabulary has no spare token; otherwise the target's embedding of this id.
     mask_token_id: int | None = None
     sts_temperatures: tuple[float, ...] | None = None  # per-position calibration (Sequential Temperature Scaling)
+    sts_biases: tuple[float, ...] | None = None  # per-position shifts of the scaled logits (train/calibrate.py)
 
     def __post_init__(self) -> None:
         positive = (
@@ -94,6 +96,8 @@ class DSparkConfig:
             raise ValueError(f"mask_token_id={self.mask_token_id} is not in the vocabulary [0, {self.vocab_size})")
         if self.sts_temperatures is not None and len(self.sts_temperatures) != self.block_size:
             raise ValueError(f"sts_temperatures has {len(self.sts_temperatures)} values, block_size={self.block_size}")
+        if self.sts_biases is not None and len(self.sts_biases) != self.block_size:
+            raise ValueError(f"sts_biases has {len(self.sts_biases)} values, block_size={self.block_size}")
 
     @property
     def layer_config(self) -> ModelConfig:
@@ -201,6 +205,7 @@ class DSparkConfig:
             num_heads = int(need("num_attention_heads"))
             hidden = int(need("hidden_size"))
             temps = own.get("sts_temperatures")
+            biases = own.get("sts_biases")
             ids = need("target_layer_ids", own)
             return cls(
                 vocab_size=int(need("vocab_size")),
@@ -220,6 +225,7 @@ class DSparkConfig:
                 confidence_head=bool(own.get("confidence_head", own.get("enable_confidence_head", confidence_head))),
                 mask_token_id=None if own.get("mask_token_id") is None else int(own["mask_token_id"]),
                 sts_temperatures=None if temps is None else tuple(float(t) for t in temps),
+                sts_biases=None if biases is None else tuple(float(b) for b in biases),
             )
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"{source}: config.json has an invalid value ({e})") from None

@@ -53,6 +53,8 @@ class DSparkDrafter:
         self.backend = TorchAttention()
         temps = cfg.sts_temperatures or (1.0,) * cfg.block_size
         self.inv_temperature = 1.0 / torch.tensor(temps[:num_tokens], dtype=torch.float32, device=device)
+        biases = cfg.sts_biases or (0.0,) * cfg.block_size
+        self.bias = torch.tensor(biases[:num_tokens], dtype=torch.float32, device=device)
 
     @torch.inference_mode()
     def extend_context(self, taps: torch.Tensor | None, positions: torch.Tensor, slots: torch.Tensor) -> None:
@@ -117,5 +119,6 @@ class DSparkDrafter:
         confidences = None
         if drafts.confidence_logits is not None:
             # NOTE: not torch.sigmoid, whose vectorised loop gives an element different bits by where it sits.
-            confidences = 1 / (1 + torch.exp(-drafts.confidence_logits[:num_reqs] * self.inv_temperature))
+            scaled = drafts.confidence_logits[:num_reqs] * self.inv_temperature + self.bias
+            confidences = 1 / (1 + torch.exp(-scaled))
         return Proposal(drafts.tokens.tolist(), drafts.probs, confidences)
