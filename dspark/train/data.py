@@ -140,13 +140,16 @@ def regenerate(
     deadline: float | None = None,
 ) -> list[Sequence]:
     """The target's own answers: each prompt (chat-templated or raw) sampled samples_per_prompt times, all queued at
-    once. With a deadline (time.monotonic()), requests still unfinished then are aborted and left out."""
+    once. With a deadline (time.monotonic()), requests still unfinished then are aborted and left out. Prompts that
+    leave no room for an answer in max_model_len are skipped (a pool is not checked against every engine's limit)."""
     engine = llm.engine
     ids: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         prompt_ids = (
             llm.apply_chat_template([{"role": "user", "content": p.text}]) if p.chat else llm.tokenizer.encode(p.text)
         )
+        if len(prompt_ids) >= engine.max_model_len:
+            continue
         for j in range(samples_per_prompt):
             params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i * 1000 + j)
             ids[engine.add_request(prompt_ids, params)] = prompt_ids

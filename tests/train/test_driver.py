@@ -104,3 +104,17 @@ def test_the_command_rejects_bad_arguments(tmp_path: Path, capsys: pytest.Captur
     args = ["train-drafter", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "r"), "--steps", "0"]
     assert main(args) == 2
     assert "steps=0 is invalid" in capsys.readouterr().err
+
+
+def test_regenerate_skips_prompts_with_no_room_and_stops_at_the_deadline(tiny_model_dirs: dict[str, Path]) -> None:
+    import time
+
+    from dspark.train.data import Prompt, regenerate
+
+    llm = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", max_model_len=64, num_kv_blocks=64)
+    prompts = [Prompt("t", "word " * 200, False), Prompt("t", "a short one", False), Prompt("t", "another", False)]
+    done = regenerate(llm, prompts, samples_per_prompt=2, max_tokens=8)
+    assert len(done) == 4  # the 200-word prompt (over max_model_len) is skipped, not an error
+    assert all(len(s.tokens) - s.num_prompt_tokens == 8 or s.tokens[-1] == llm.tokenizer.eos_token_id for s in done)
+    assert regenerate(llm, prompts, max_tokens=8, deadline=time.monotonic() - 1) == []  # past the deadline: nothing
+    assert not llm.engine.has_unfinished_requests()  # what was queued was aborted, not left behind
