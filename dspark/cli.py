@@ -557,9 +557,10 @@ examples:
 def _add_drafter_parsers(commands: Any) -> None:
     cal = commands.add_parser(
         "calibrate-drafter",
-        help="fit the drafter's per-position confidence temperatures (STS) on held-out data",
-        description="Sequential Temperature Scaling on a fixed-k trace (given, or recorded here from held-out\n"
-        "prompts with k = the drafter's block size); the temperatures go into DRAFTER_DIR/config.json.",
+        help="fit the drafter's per-position confidence temperatures and shifts (STS) on held-out data",
+        description="Sequential Temperature Scaling, with a per-position shift, on a fixed-k trace (given, or\n"
+        "recorded here from held-out prompts with k = the drafter's block size); the temperatures and shifts go into\n"
+        "DRAFTER_DIR/config.json.",
         epilog=CALIBRATE_EPILOG,
         formatter_class=_Formatter,
     )
@@ -579,8 +580,8 @@ def _add_drafter_parsers(commands: Any) -> None:
         help="acceptance length, per-position acceptance and survival calibration of a drafter, per dataset",
         description="Run every --dataset at every --temperature with k = the drafter's block size (adaptive\n"
         "verification off) and print, per row, tau = 1 + accepted/drafts, the conditional acceptance per position,\n"
-        "and the survival ECE (20 bins) before and after STS, AUROC and Brier. The STS temperatures are fitted on\n"
-        "--calibration-dataset or --calibration-trace (held-out), else the drafter's stored ones are scored.",
+        "and the survival ECE (20 bins) before and after STS, AUROC and Brier. The STS scaling is fitted on\n"
+        "--calibration-dataset or --calibration-trace (held-out), else the drafter's stored one is scored.",
         epilog=EVAL_EPILOG,
         formatter_class=_Formatter,
     )
@@ -834,7 +835,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--max-tokens", 256, int, "most tokens per answer"),
         ("--temperature", 1.0, float, "answer sampling temperature"),
         ("--checkpoint-every", 200, int, "steps between checkpoints"),
-        ("--time-limit", None, float, "seconds: checkpoint and stop early; run again to resume"),
+        ("--time-limit", None, float, "seconds of training (after the answers): checkpoint, stop; run again to resume"),
     ):
         g.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     add_engine_args(train)

@@ -10,6 +10,7 @@ from dspark.train.calibrate import (
     calibrated_survival,
     expected_calibration_error,
     fit_sts,
+    logits_from_confidences,
     survival_outcomes,
 )
 
@@ -133,3 +134,56 @@ def test_calibrate_drafter_from_a_fixed_k_trace(tmp_path: Path) -> None:
     assert loaded.sts_temperatures[4:] == (1.0, 1.0)  # past the trace's K: untouched
     assert loaded.sts_biases is not None and list(loaded.sts_biases[:4]) == report["biases"]
     assert loaded.sts_biases[4:] == (0.0, 0.0)
+
+
+def test_confidences_invert_to_the_head_logits_with_temperatures_and_shifts() -> None:
+    z = torch.linspace(-4, 4, 21, dtype=torch.float64)[:, None].expand(21, 3)
+    temps, biases = [0.5, 2.0, 1.3], [-1.0, 0.7, 0.0]
+    c = torch.sigmoid(z / torch.tensor(temps, dtype=torch.float64) + torch.tensor(biases, dtype=torch.float64))
+    torch.testing.assert_close(logits_from_confidences(c, temps, biases), z)
+    assert (logits_from_confidences(c, temps) - z).abs().max() > 0.5  # the shift matters
+
+
+def test_a_trace_is_undone_with_the_scaling_it_was_recorded_with(tmp_path: Path) -> None:
+    """The header says the confidences were recorded with T = 2: fitting twice on one trace (the drafter's config
+    changed in between) gives the same scaling."""
+    import json
+
+    from dspark.models.config import ModelConfig
+    from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
+    from dspark.spec.dspark.config import DSparkConfig
+    from dspark.train.calibrate import calibrate_drafter
+
+    logits, num_accepted = _synthetic(3000, [1.0, 0.7], seed=9)
+    header = {"type": "header", "K": 2, "sts_temperatures": [2.0, 2.0], "sts_biases": None}
+    lines = [json.dumps(header)]
+    for i in range(len(logits)):
+        conf = torch.sigmoid(logits[i] / 2.0).tolist()
+        block = {"id": f"r{i}", "confidences": conf, "num_drafts": 2, "num_verified": 2}
+        lines.append(
+            json.dumps({"type": "step", "step": i, "requests": [{**block, "num_accepted": int(num_accepted[i])}]})
+        )
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    target = ModelConfig(
+        family="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
+    )
+    cfg = DSparkConfig.for_target(target, num_layers=1, block_size=2, num_taps=1, markov_rank=4)
+    drafter = save_drafter(random_drafter(cfg, seed=0), tmp_path / "drafter")
+    first = calibrate_drafter(trace, drafter)
+    second = calibrate_drafter(trace, drafter)
+    assert first["temperatures"] == second["temperatures"] and first["biases"] == second["biases"]
+    assert abs(first["temperatures"][0] - 1.0) < 0.2, first  # the head's own logits, not the recorded ones

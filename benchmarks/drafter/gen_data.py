@@ -67,6 +67,7 @@ def main() -> None:
         1.0,
         seed=(args.seed_offset * 100 + args.shard) * 10**9,
         deadline=began + args.time_limit,
+        progress=True,
     )
     tokens = sum(len(s.tokens) - s.num_prompt_tokens for s in sequences)
     print(

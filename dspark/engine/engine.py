@@ -191,11 +191,19 @@ class LLMEngine:
             "K": self.num_spec_tokens,
             "method": self.spec.method,
             "drafter": str(self._drafter_path()) if self.spec.method == "dspark" else None,
+            # The confidences are recorded calibrated: what undoes them (train/calibrate.py) must know with what.
+            "sts_temperatures": self._scaling("sts_temperatures"),
+            "sts_biases": self._scaling("sts_biases"),
             "model": self.config.model,
             "device": str(self.device),
             "dtype": str(self.dtype),
             "mode": self.planner.mode,
         }
+
+    def _scaling(self, key: str) -> list[float] | None:
+        cfg = self.dspark_model.config if self.dspark_model is not None else None
+        values = getattr(cfg, key, None)
+        return None if values is None else list(values)
 
     def _num_spec_tokens(self) -> int:
         if self.spec is None:

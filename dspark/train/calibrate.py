@@ -104,8 +104,9 @@ def logits_from_confidences(
 
 def calibrate_drafter(trace_path: Path, drafter_dir: Path) -> dict[str, object]:
     """Fit STS on the fully verified blocks of a fixed-k trace (held-out prompts, recorded with this drafter: its
-    confidences and how many drafts survived), store the temperatures in the drafter's config.json, and report the
-    survival ECE before and after."""
+    confidences and how many drafts survived), store the temperatures and shifts in the drafter's config.json, and
+    report the survival ECE before and after. The recorded confidences are undone with the scaling the trace's header
+    says they were recorded with (else the config's), so fitting twice on one trace gives the same result."""
     from dspark.bench.simulate import load_trace
 
     trace = load_trace(trace_path)
@@ -119,9 +120,13 @@ def calibrate_drafter(trace_path: Path, drafter_dir: Path) -> dict[str, object]:
     own = nested if nested is not None else config
     old = config.get("sts_temperatures", own.get("sts_temperatures"))
     old_biases = config.get("sts_biases", own.get("sts_biases"))
+    if "sts_temperatures" in trace.header:  # the scaling the confidences were recorded with (None: identity)
+        recorded = (trace.header["sts_temperatures"], trace.header.get("sts_biases"))
+    else:  # an older trace: assume the drafter's config has not changed since
+        recorded = (old, old_biases)
     block_size = int(config.get("block_size", trace.K))
     conf = torch.tensor([b.confidences for b in blocks], dtype=torch.float64)
-    logits = logits_from_confidences(conf, old, old_biases)
+    logits = logits_from_confidences(conf, *recorded)
     survived = survival_outcomes(torch.tensor([b.accepted for b in blocks]), trace.K)
     temps, biases = fit_sts(logits, survived)
     old_k = (old or [1.0] * block_size)[: trace.K]

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from dspark.config import SamplingParams
 from dspark.errors import ConfigError
 from dspark.llm import LLM
@@ -138,6 +140,7 @@ def regenerate(
     temperature: float = 1.0,
     seed: int = 0,
     deadline: float | None = None,
+    progress: bool = False,
 ) -> list[Sequence]:
     """The target's own answers: each prompt (chat-templated or raw) sampled samples_per_prompt times, all queued at
     once. With a deadline (time.monotonic()), requests still unfinished then are aborted and left out. Prompts that
@@ -154,14 +157,18 @@ def regenerate(
             params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i * 1000 + j)
             ids[engine.add_request(prompt_ids, params)] = prompt_ids
     done: dict[str, Sequence] = {}
+    bar = tqdm(total=len(ids), desc="answers", unit="req", disable=not progress)
     try:
         while engine.has_unfinished_requests():
             if deadline is not None and time.monotonic() > deadline:
                 break
             for out in engine.step():
-                if out.finished and out.outputs[0].token_ids:
-                    p = ids[out.request_id]
-                    done[out.request_id] = Sequence(list(p) + list(out.outputs[0].token_ids), len(p))
+                if out.finished:
+                    bar.update(1)
+                    if out.outputs[0].token_ids:
+                        p = ids[out.request_id]
+                        done[out.request_id] = Sequence(list(p) + list(out.outputs[0].token_ids), len(p))
     finally:
+        bar.close()
         engine.abort_request([r for r in ids if r not in done])
     return [done[r] for r in ids if r in done]  # in submission order

@@ -46,7 +46,8 @@ class TrainConfig:
     temperature: float = 1.0
     checkpoint_every: int = 200
     seed: int = 0
-    time_limit: float | None = None  # seconds: stop early (checkpointed), resume later with the same settings
+    time_limit: float | None = None  # seconds of the training loop (answering the pool comes first, untimed): stop
+    # early, checkpointed, and resume later with the same settings
 
 
 def _save_state(run: Path, optimizer: torch.optim.Optimizer, scheduler: Any, step: int, model: torch.nn.Module) -> None:
@@ -97,7 +98,9 @@ def train_drafter(cfg: TrainConfig, llm: LLM, progress: bool = True) -> dict[str
         sequences = load_sequences(seq_path)
     else:
         pool = prompt_pool(Path(cfg.data_dir), cfg.prompts_per_source, cfg.seed)
-        sequences = regenerate(llm, pool, cfg.samples_per_prompt, cfg.max_tokens, cfg.temperature, cfg.seed)
+        sequences = regenerate(
+            llm, pool, cfg.samples_per_prompt, cfg.max_tokens, cfg.temperature, cfg.seed, progress=progress
+        )
         save_sequences(seq_path, sequences)
     if not sequences:
         raise ConfigError("data_dir", cfg.data_dir, "gave no training sequence")
@@ -130,13 +133,12 @@ def train_drafter(cfg: TrainConfig, llm: LLM, progress: bool = True) -> dict[str
         tokens, mask = pad_batch([(seq.tokens, seq.num_prompt_tokens) for seq in batch], device)
         with autocast:
             losses = batch_loss(model, target, tokens, mask, cfg.blocks_per_sequence, g)
-        if losses is None:
-            continue
-        optimiser_step(model, optimizer, scheduler, losses.total)
-        loss = float(losses.total.detach())
-        running_loss = loss if running_loss is None else 0.98 * running_loss + 0.02 * loss
-        running_acc = losses.acceptance if running_acc is None else 0.98 * running_acc + 0.02 * losses.acceptance
-        bar.set_postfix(loss=f"{running_loss:.3f}", accept=f"{running_acc:.3f}")
+        if losses is not None:  # None: no sequence of the batch had a valid anchor (too short an answer)
+            optimiser_step(model, optimizer, scheduler, losses.total)
+            loss = float(losses.total.detach())
+            running_loss = loss if running_loss is None else 0.98 * running_loss + 0.02 * loss
+            running_acc = losses.acceptance if running_acc is None else 0.98 * running_acc + 0.02 * losses.acceptance
+            bar.set_postfix(loss=f"{running_loss:.3f}", accept=f"{running_acc:.3f}")
         out_of_time = cfg.time_limit is not None and time.monotonic() - began > cfg.time_limit
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps or out_of_time:
             save_drafter(model, drafter_dir)
@@ -158,7 +160,8 @@ def train_drafter(cfg: TrainConfig, llm: LLM, progress: bool = True) -> dict[str
 
 def _batches(sequences: list[Sequence], size: int, rng: random.Random) -> Iterator[list[Sequence]]:
     """Endless batches, every sequence once per epoch: shuffled, then grouped with sequences of similar length (less
-    padding) in windows of 16 batches, the batches themselves shuffled."""
+    padding) in windows of 16 batches, the batches themselves shuffled. A resumed run starts a fresh epoch (its order
+    is seeded by the step it resumes from)."""
     while True:
         order = list(sequences)
         rng.shuffle(order)

@@ -65,7 +65,8 @@ def fixed_k_llm(engine_args: dict[str, Any], drafter_dir: str | Path, trace_path
 
 
 def run_prompts(llm: LLM, prompts: list[str], temperature: float, max_tokens: int, progress: bool) -> dict[str, Any]:
-    """Chat-templated prompts in one generate() call (prompt i seeded i); the counts tau is made of, and the ids."""
+    """Chat-templated prompts in one generate() call (the i-th prompt that fits seeded i); the counts tau is made of,
+    and the ids."""
     ids = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     # Prompts with no room to generate in the context are skipped, not an error in the middle of an evaluation.
     kept = [i for i in ids if len(i) < llm.engine.max_model_len]
@@ -165,7 +166,13 @@ def evaluate_drafter(
         if fit_trace.K != k:
             raise ConfigError("calibration_trace", str(calibration_trace), f"recorded with K={fit_trace.K}, not {k}")
         fit_on = full_blocks(fit_trace)
-        after = _fit(fit_on, stored, "calibration_trace", str(calibration_trace))
+        recorded = stored
+        if "sts_temperatures" in fit_trace.header:  # undo the confidences with the scaling they were recorded with
+            recorded = (
+                list(fit_trace.header["sts_temperatures"] or [1.0] * k),
+                list(fit_trace.header.get("sts_biases") or [0.0] * k),
+            )
+        after = _fit(fit_on, recorded, "calibration_trace", str(calibration_trace))
         source, num_fit = f"trace {calibration_trace}", len(fit_on[1])
     with tempfile.TemporaryDirectory() as tmp:
         trace_file = Path(trace_path or Path(tmp) / "trace.jsonl")

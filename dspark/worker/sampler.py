@@ -147,6 +147,10 @@ class Sampler:
 
 def inverse_cdf(p: torch.Tensor, u: float) -> int:
     """The token at quantile u in [0, 1) of the (possibly unnormalised) distribution p: [vocab]."""
+    if p.device.type != "cpu":
+        # NOTE: on an accelerator every draw goes through the batched kernel, as Sampler.sample draws all rows at
+        # once there: a verification's one-row draw must be the very token plain sampling would have drawn.
+        return int(inverse_cdf_rows(p[None], torch.tensor([u], dtype=torch.float64, device=p.device))[0])
     cdf = torch.cumsum(p.double(), 0)  # sequential per row: the same bits in any batch
     idx = int(torch.searchsorted(cdf, (u * cdf[-1]).view(1), right=True))
     # NOTE: u < 1, but rounding can land u * total on the last step; never return a zero-probability token.

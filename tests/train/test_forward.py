@@ -24,8 +24,8 @@ def test_a_sequence_computes_the_same_alone_and_padded_in_a_batch(tmp_path: Path
     anchors = [torch.tensor([1, 5]), torch.tensor([2, 11, 19]), torch.tensor([14])]
     tokens, mask = pad_batch(seqs, torch.device("cpu"))
     assert tokens.shape == (3, 23) and mask.sum(1).tolist() == [6, 20, 13]
-    # Rows with fewer blocks repeat an anchor (as batch_loss pads them, with masked labels).
-    padded = torch.stack([torch.cat([a, a[:1].repeat(3 - a.numel())]) for a in anchors])
+    # Rows with fewer blocks are padded with blocks at anchor 1, as batch_loss pads them (their labels masked out).
+    padded = torch.stack([torch.cat([a, torch.ones(3 - a.numel(), dtype=torch.long)]) for a in anchors])
     with torch.no_grad():
         together = target_pass(target, tokens, cfg.target_layer_ids)
         states = block_states(model, target.model.embed_tokens, tokens, model.context_features(together.taps), padded)

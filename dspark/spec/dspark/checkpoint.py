@@ -36,13 +36,12 @@ def random_drafter(cfg: DSparkConfig, seed: int = 0) -> DSparkModel:
     return model.eval()
 
 
-def save_drafter(model: DSparkModel, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json and model.safetensors; dtype (e.g. bfloat16 to ship it at half the size) casts the weights."""
+def save_drafter(model: DSparkModel, directory: str | Path) -> Path:
     from safetensors.torch import save_file
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     model.config.save(out)
     return out
