@@ -29,6 +29,47 @@ def _synthetic(
     return logits, num_accepted
 
 
+def _write_trace(path: Path, confidences: torch.Tensor, num_accepted: torch.Tensor, **header: object) -> Path:
+    """A fixed-k trace: one fully verified block per step, its recorded confidences and accepted count."""
+    import json
+
+    k = confidences.shape[1]
+    lines = [json.dumps({"type": "header", "K": k, **header})]
+    for i in range(len(confidences)):
+        block = {"id": f"r{i}", "confidences": confidences[i].tolist(), "num_drafts": k, "num_verified": k}
+        lines.append(
+            json.dumps({"type": "step", "step": i, "requests": [{**block, "num_accepted": int(num_accepted[i])}]})
+        )
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _tiny_drafter(directory: Path, block_size: int) -> Path:
+    """A random drafter for a tiny 4-layer target, saved: calibration only edits its config.json."""
+    from dspark.models.config import ModelConfig
+    from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
+    from dspark.spec.dspark.config import DSparkConfig
+
+    target = ModelConfig(
+        family="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
+    )
+    cfg = DSparkConfig.for_target(target, num_layers=1, block_size=block_size, num_taps=1, markov_rank=4)
+    return save_drafter(random_drafter(cfg, seed=0), directory)
+
+
 def test_ece_of_perfect_and_of_wrong_predictions() -> None:
     assert expected_calibration_error(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0])) == 0.0
     assert abs(expected_calibration_error(torch.full((10,), 0.9, dtype=torch.float64), torch.zeros(10)) - 0.9) < 1e-12
@@ -89,41 +130,13 @@ def test_calibrate_drafter_from_a_fixed_k_trace(tmp_path: Path) -> None:
     temperatures land in the drafter's config (where the loader reads them) and cut the survival ECE."""
     import json
 
-    from dspark.models.config import ModelConfig
-    from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
     from dspark.spec.dspark.config import DSparkConfig
     from dspark.train.calibrate import calibrate_drafter
 
     true_temps = [2.0, 0.5, 1.5, 1.0]
     logits, num_accepted = _synthetic(4000, true_temps, seed=5)
-    lines = [json.dumps({"type": "header", "K": 4})]
-    for i in range(len(logits)):
-        conf = torch.sigmoid(logits[i]).tolist()
-        block = {"id": f"r{i}", "confidences": conf, "num_drafts": 4, "num_verified": 4}
-        lines.append(
-            json.dumps({"type": "step", "step": i, "requests": [{**block, "num_accepted": int(num_accepted[i])}]})
-        )
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("\n".join(lines) + "\n")
-
-    target = ModelConfig(
-        family="llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        qk_norm=True,
-    )
-    cfg = DSparkConfig.for_target(target, num_layers=1, block_size=6, num_taps=1, markov_rank=4)
-    drafter = save_drafter(random_drafter(cfg, seed=0), tmp_path / "drafter")
+    trace = _write_trace(tmp_path / "trace.jsonl", torch.sigmoid(logits), num_accepted)
+    drafter = _tiny_drafter(tmp_path / "drafter", block_size=6)
     report = calibrate_drafter(trace, drafter)
     assert report["num_blocks"] == 4000
     assert report["ece_after"] < 0.02 < report["ece_before"]
@@ -147,42 +160,18 @@ def test_confidences_invert_to_the_head_logits_with_temperatures_and_shifts() ->
 def test_a_trace_is_undone_with_the_scaling_it_was_recorded_with(tmp_path: Path) -> None:
     """The header says the confidences were recorded with T = 2: fitting twice on one trace (the drafter's config
     changed in between) gives the same scaling."""
-    import json
 
-    from dspark.models.config import ModelConfig
-    from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
-    from dspark.spec.dspark.config import DSparkConfig
     from dspark.train.calibrate import calibrate_drafter
 
     logits, num_accepted = _synthetic(3000, [1.0, 0.7], seed=9)
-    header = {"type": "header", "K": 2, "sts_temperatures": [2.0, 2.0], "sts_biases": None}
-    lines = [json.dumps(header)]
-    for i in range(len(logits)):
-        conf = torch.sigmoid(logits[i] / 2.0).tolist()
-        block = {"id": f"r{i}", "confidences": conf, "num_drafts": 2, "num_verified": 2}
-        lines.append(
-            json.dumps({"type": "step", "step": i, "requests": [{**block, "num_accepted": int(num_accepted[i])}]})
-        )
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("\n".join(lines) + "\n")
-    target = ModelConfig(
-        family="llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        qk_norm=True,
+    trace = _write_trace(
+        tmp_path / "trace.jsonl",
+        torch.sigmoid(logits / 2.0),
+        num_accepted,
+        sts_temperatures=[2.0, 2.0],
+        sts_biases=None,
     )
-    cfg = DSparkConfig.for_target(target, num_layers=1, block_size=2, num_taps=1, markov_rank=4)
-    drafter = save_drafter(random_drafter(cfg, seed=0), tmp_path / "drafter")
+    drafter = _tiny_drafter(tmp_path / "drafter", block_size=2)
     first = calibrate_drafter(trace, drafter)
     second = calibrate_drafter(trace, drafter)
     assert first["temperatures"] == second["temperatures"] and first["biases"] == second["biases"]
