@@ -48,16 +48,20 @@ train() {  # GPU, run dir, layers, rank, steps, seconds [more flags]
   on "$1" python -m dspark train-drafter --data-dir "$DATA" --output-dir "$2" --num-layers "$3" --markov-rank "$4" \
     --steps "$5" --time-limit "$6" "${SCALE[@]}" "${@:7}" $ENGINE --gpu-memory-utilization 0.25 2>&1 | quiet | tail -n 30
 }
-ablation_dims() { local a=${1#l}; echo "${a%%-*} ${a#*-r}"; }
-
-if [ "$PHASE" = train ]; then
+answer() {  # the target answers the pool, one shard per GPU, GEN_S seconds; $1: seed offset (a later run: 1)
   [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   for i in $(seq 0 $LAST); do
+    local held=(); [ "$i" = 0 ] && held=(--heldout-out "$R/heldout.jsonl")  # one writer of the held-out prompts
     on "$i" python benchmarks/drafter/gen_data.py --data-dir "$DATA" --out "$R/seq-$i.jsonl" --shard "$i" \
-      --num-shards "$NG" --time-limit "$GEN_S" --device "$DEVICE" --heldout-out "$R/heldout.jsonl" "${GEN[@]}" \
+      --num-shards "$NG" --time-limit "$GEN_S" --device "$DEVICE" "${held[@]}" "${GEN[@]}" --seed-offset "$1" \
       2>&1 | quiet | tail -n 2 &
   done
   wait
+}
+ablation_dims() { local a=${1#l}; echo "${a%%-*} ${a#*-r}"; }
+
+if [ "$PHASE" = train ]; then
+  answer 0
   mkdir -p "$R/main"
   cat "$R"/seq-*.jsonl > "$R/main/sequences.jsonl"
   echo "sequences: $(wc -l < "$R/main/sequences.jsonl")"
@@ -103,13 +107,7 @@ fi
 if [ "$PHASE" = full ]; then  # one run: more answers (added to PREV's), main + DFlash-style drafters, calibrate, eval
   D="$R/main/drafter"
   EV="$ENGINE --gpu-memory-utilization 0.4"
-  [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  for i in $(seq 0 $LAST); do
-    on "$i" python benchmarks/drafter/gen_data.py --data-dir "$DATA" --out "$R/seq-$i.jsonl" --shard "$i" \
-      --num-shards "$NG" --time-limit "$GEN_S" --device "$DEVICE" --heldout-out "$R/heldout.jsonl" "${GEN[@]}" \
-      --seed-offset 1 2>&1 | quiet | tail -n 2 &
-  done
-  wait
+  answer 1
   mkdir -p "$R/main" "$R/abl-l2-r0-full"
   { [ -n "${PREV:-}" ] && gzip -dc "$PREV"; cat "$R"/seq-*.jsonl; } > "$R/main/sequences.jsonl"
   ln -sf "$R/main/sequences.jsonl" "$R/abl-l2-r0-full/sequences.jsonl"
