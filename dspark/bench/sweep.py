@@ -1,11 +1,14 @@
 """`dspark bench sweep`: no speculation, fixed k and adaptive verification, across concurrencies, in one run.
 
-Offline: one fixed prompt set in a fixed order (the built-in set, or --dataset-path files interleaved), every request
-decodes exactly `output_len` tokens (ignore_eos: the work per request is the same for every arm, so tokens/s compare
-like with like; acceptance is measured on what the model writes past EOS too). Each arm's engine is built once per
-round with max_num_seqs = the largest concurrency and reused for every row; concurrency C means at most C requests in
-the engine: C are submitted, and another whenever one finishes, until the row's prompts are done. Rows start with a
+Offline: one fixed prompt set in a fixed order (GSM8K test questions, MT-bench first turns and HumanEval prompts
+interleaved, from ../shared/data or --data-dir; else the built-in set; or --dataset-path files interleaved), every
+request decodes exactly `output_len` tokens (ignore_eos: the work per request is the same for every arm, so tokens/s
+compare like with like; acceptance is measured on what the model writes past EOS too). Each arm's engine is built once
+per round with max_num_seqs = the largest concurrency and reused for every row; concurrency C means at most C requests
+in the engine: C are submitted, and another whenever one finishes, until the row's prompts are done. Rows start with a
 cold prefix cache. Per request, sampled rows draw with seed = the request's index in the row, the same in every arm.
+With --hf, Hugging Face transformers' continuous batching runs the same prompt token ids on the same weights as arm
+`hf`, after the engines of each round (hf_arm.py says how).
 
 A row is (arm, concurrency, temperature). Its counters are deltas of engine.get_metrics() over the row:
 - acceptance_length = 1 + accepted drafts / drafts (vLLM's);
@@ -21,26 +24,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from dspark.bench.prompts import BUILTIN_PROMPTS
-from dspark.bench.throughput import drain, machine_info, read_jsonl_prompts, tokenize
+from dspark.bench.throughput import build_hf_model, drain, machine_info, read_jsonl_prompts, tokenize
 from dspark.cli import add_engine_args, engine_config, output_path, write_json
 from dspark.config import MAX_SPECULATIVE_TOKENS, EngineConfig, SamplingParams, SpeculativeConfig
 from dspark.engine.engine import LLMEngine
 from dspark.errors import ConfigError
 from dspark.llm import LLM
 from dspark.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from dspark.bench.hf_arm import HFArm
 
 ARMS = ("no-spec", "fixed-1", "fixed-3", "fixed-5", "fixed-7", "adaptive")
 CONCURRENCIES = (1, 16, 32, 64, 128, 256, 512, 1024)
@@ -54,6 +61,17 @@ COUNTERS = (
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
     "spec_decode_num_steps_without_drafting",
+)
+HF = "hf"  # the Hugging Face transformers arm
+HF_MAX_CONCURRENCY = 256  # the hf arm's default concurrencies are the sweep's up to this: it is slow above
+DATA_DIR_ENV = "DSPARK_DATA_DIR"
+REPO_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared/data beside a source checkout
+# The default prompt mix, interleaved in this order: per source, the first file the data directory has (DeepSpec's
+# chat-ready copy, else the raw set; layout and licences in ../shared/data/MANIFEST.md).
+DEFAULT_MIX = (
+    ("gsm8k", ("deepspec_eval/gsm8k.jsonl", "gsm8k/test.jsonl")),  # the 1319 test questions
+    ("mt-bench", ("deepspec_eval/mt-bench.jsonl", "mt_bench/question.jsonl")),  # 80 first turns
+    ("humaneval", ("deepspec_eval/humaneval.jsonl", "humaneval/HumanEval.jsonl.gz")),  # 164 problems
 )
 RowKey = tuple[str, int, float]  # (arm, concurrency, temperature)
 
@@ -78,17 +96,54 @@ def parse_arm(name: str) -> Arm:
     k = name.removeprefix("fixed-")
     if k != name and k.isdigit() and 1 <= int(k) <= MAX_SPECULATIVE_TOKENS:
         return Arm(name, int(k))
-    raise ConfigError("arm", name, f"one of no-spec, fixed-K (K in 1..{MAX_SPECULATIVE_TOKENS}), adaptive")
+    raise ConfigError(
+        "arm", name, f"one of no-spec, fixed-K (K in 1..{MAX_SPECULATIVE_TOKENS}), adaptive (transformers: --hf)"
+    )
 
 
-def sweep_prompts(dataset_paths: list[str]) -> list[str]:
-    """The prompt set in its fixed order: the built-in set shuffled once with seed 0 (so any prefix mixes math, code
-    and chat), or the files' prompts interleaved (the first of each file, then the second, ...)."""
-    if not dataset_paths:
-        prompts = list(BUILTIN_PROMPTS)
-        random.Random(0).shuffle(prompts)
-        return prompts
-    sources = [read_jsonl_prompts(Path(p)) for p in dataset_paths]
+@dataclass(frozen=True)
+class PromptSet:
+    name: str  # "builtin", "dataset-path" or the default mix's sources ("gsm8k+mt-bench+humaneval")
+    files: list[str]
+    prompts: list[str]  # in the fixed order
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "files": self.files, "num_prompts": len(self.prompts)}
+
+
+def sweep_prompts(dataset_paths: list[str], data_dir: str | None = None) -> PromptSet:
+    """The prompt set in its fixed order. The --dataset-path files' prompts interleaved (the first of each file, then
+    the second, ...); else the default mix from the data directory (data_dir, else $DSPARK_DATA_DIR, else
+    ../shared/data beside the checkout), interleaved the same way; else, when no data directory was named and the
+    default one is absent, the built-in set shuffled once with seed 0 (so any prefix mixes math, code and chat)."""
+    if dataset_paths:
+        files = [Path(p) for p in dataset_paths]
+        return PromptSet("dataset-path", [str(f) for f in files], _interleave(files))
+    named = data_dir or os.environ.get(DATA_DIR_ENV)
+    root = Path(named) if named else REPO_DATA_DIR
+    found = [(name, f) for name, paths in DEFAULT_MIX if (f := _first_file(root, paths)) is not None]
+    if found:
+        files = [f for _, f in found]
+        return PromptSet("+".join(name for name, _ in found), [str(f) for f in files], _interleave(files))
+    wanted = ", ".join(" or ".join(paths) for _, paths in DEFAULT_MIX)
+    if named:
+        field = "data_dir" if data_dir else DATA_DIR_ENV
+        raise ConfigError(field, named, f"a directory laid out as ../shared/data, holding {wanted}")
+    print(
+        f"note: no prompt data at {root} (--data-dir or ${DATA_DIR_ENV} name one): using the built-in prompts",
+        file=sys.stderr,
+    )
+    prompts = list(BUILTIN_PROMPTS)
+    random.Random(0).shuffle(prompts)
+    return PromptSet("builtin", [], prompts)
+
+
+def _first_file(root: Path, paths: tuple[str, ...]) -> Path | None:
+    return next((root / p for p in paths if (root / p).is_file()), None)
+
+
+def _interleave(files: list[Path]) -> list[str]:
+    sources = [read_jsonl_prompts(f) for f in files]
     return [s[i] for i in range(max(len(s) for s in sources)) for s in sources if i < len(s)]
 
 
@@ -106,7 +161,7 @@ class Round:
     ttft_s: list[float]
     tpot_s: list[float]  # requests with more than one output token
     e2el_s: list[float]
-    counters: dict[str, float]  # COUNTERS' deltas over the round, plus the planner's budget sum and step count
+    counters: dict[str, float]  # COUNTERS' deltas over the round, the planner's budget sum and step count; {} for hf
 
     @property
     def output_throughput(self) -> float:
@@ -190,19 +245,21 @@ def run_sweep(
     output_len: int = 256,
     num_prompts: int | None = None,
     dataset_paths: list[str] | None = None,
+    data_dir: str | None = None,
     chat: bool = True,
     repeats: int = 1,
     hf: bool = False,
+    hf_concurrencies: list[int] | None = None,
     command: str = "",
 ) -> Sweep:
-    """Every arm at every concurrency and temperature. config.speculative_config is the method and drafter of the
-    speculative arms (default: n-gram); config.max_num_seqs is replaced by the largest concurrency."""
-    if hf:
-        raise ConfigError("hf", hf, "the Hugging Face arm of bench sweep is not built yet; run without --hf")
+    """Every arm at every concurrency and temperature, and the hf arm (hf, or hf_concurrencies given) at its
+    concurrencies. config.speculative_config is the method and drafter of the speculative arms (default: n-gram);
+    config.max_num_seqs is replaced by the largest concurrency."""
     arm_list = [parse_arm(a) for a in dict.fromkeys(arms or ARMS)]
     for c in concurrencies or ():
         _check_positive("concurrency", c)
     concs = sorted(set(concurrencies or CONCURRENCIES))
+    hf_concs = _hf_concurrencies(hf, hf_concurrencies, concs)
     temps = list(dict.fromkeys(TEMPERATURES if temperatures is None else temperatures))
     if not temps:
         raise ConfigError("temperature", temps, "give at least one")
@@ -212,7 +269,12 @@ def run_sweep(
     _check_positive("repeats", repeats)
     if num_prompts is not None:
         _check_positive("num_prompts", num_prompts)
-    prompts = sweep_prompts(dataset_paths or [])
+    if hf_concs:
+        # NOTE: imported here, not at the top: hf_arm builds on this module's Round.
+        from dspark.bench.hf_arm import HFArm, require_continuous_batching
+
+        require_continuous_batching()  # before any model is loaded
+    prompts = sweep_prompts(dataset_paths or [], data_dir)
     sizes = {c: num_prompts_for(c, num_prompts) for c in concs}
     base = dataclasses.replace(config, max_num_seqs=max(concs))
     spec = config.spec or SpeculativeConfig(method="ngram")
@@ -221,16 +283,26 @@ def run_sweep(
     token_ids: dict[RowKey, list[list[int]]] = {}
     set_ids: list[list[int]] = []
     arm_configs: dict[str, Any] = {}
+    hf_arm: HFArm | None = None
     device = dtype = ""
+
+    def record(arm: str, c: int, t: float, label: str, outcome: tuple[Round, list[list[int]]]) -> None:
+        round_, token_ids[arm, c, t] = outcome
+        rounds.setdefault((arm, c, t), []).append(round_)
+        print(f"{label}: {round_.output_throughput:.1f} tok/s", file=sys.stderr)
+
     for r in range(repeats):
         for arm in arm_list:
             arm_config = arm.config(base, spec)
             llm = LLM(**dataclasses.asdict(arm_config))
             engine = llm.engine
             if not set_ids:  # tokenized once, for every arm: the prompts the largest row uses
-                set_ids = tokenize(llm, prompts[: max(sizes.values())], chat)
+                set_ids = tokenize(llm, prompts.prompts[: max(sizes.values())], chat)
                 _check_fits(set_ids, output_len, engine.max_model_len)
                 device, dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
+                if hf_concs:  # the engine's own weights, copied once to the CPU
+                    hf_model = build_hf_model(engine.model, torch.device("cpu"), engine.dtype)
+                    hf_arm = HFArm(hf_model, engine.device, base.max_num_batched_tokens, base.enable_prefix_caching)
             arm_configs[arm.name] = dataclasses.asdict(arm_config.spec) if arm_config.spec else None
             warm = [SamplingParams(temperature=t, max_tokens=WARMUP_TOKENS, ignore_eos=True, seed=0) for t in temps]
             for p in warm:
@@ -239,22 +311,31 @@ def run_sweep(
             for t in temps:
                 params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True)
                 for c in concs:
-                    row_ids = [set_ids[i % len(set_ids)] for i in range(sizes[c])]
                     label = f"{arm.name} C={c} T={t} r{r + 1}"
-                    round_, token_ids[arm.name, c, t] = run_row(engine, row_ids, params, c, label)
-                    rounds.setdefault((arm.name, c, t), []).append(round_)
-                    print(f"{label}: {round_.output_throughput:.1f} tok/s", file=sys.stderr)
+                    record(arm.name, c, t, label, run_row(engine, _row_ids(set_ids, sizes[c]), params, c, label))
             del llm, engine
             gc.collect()  # NOTE: the next arm's engine sizes its KV cache from the memory this one frees
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
+        if hf_arm is not None:  # after the engines are gone, so transformers has the device to itself
+            with hf_arm.on_device():
+                for t in temps:
+                    hf_arm.warm_up(set_ids[0], t, WARMUP_TOKENS)
+                    for c in hf_concs:
+                        label = f"{HF} C={c} T={t} r{r + 1}"
+                        outcome = hf_arm.run_row(_row_ids(set_ids, sizes[c]), t, output_len, c, label)
+                        record(HF, c, t, label, outcome)
 
-    rows = [_row(a, c, t, rounds[a.name, c, t]) for t in temps for c in concs for a in arm_list]
+    all_arms = [*arm_list, Arm(HF, None)] if hf_arm is not None else arm_list
+    keys = [(a, c, t) for t in temps for c in concs for a in all_arms if (a.name, c, t) in rounds]
+    rows = [_row(a, c, t, rounds[a.name, c, t]) for a, c, t in keys]
     for row in rows:
         base_ids = token_ids.get(("no-spec", row["concurrency"], row["temperature"]))
         if row["temperature"] == 0 and base_ids is not None:
             mine = token_ids[row["arm"], row["concurrency"], row["temperature"]]
             row["identical_to_no_spec"] = f"{sum(a == b for a, b in zip(mine, base_ids, strict=True))}/{len(mine)}"
+    if hf_arm is not None:
+        arm_configs[HF] = hf_arm.settings(hf_concs)
     result = {
         "command": command,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -265,7 +346,7 @@ def run_sweep(
             "model": config.model,
             "engine": dataclasses.asdict(dataclasses.replace(base, speculative_config=None)),
             "arms": arm_configs,
-            "dataset": dataset_paths or "builtin",
+            "prompt_set": prompts.to_json(),
             "num_unique_prompts": len(set_ids),
             "num_prompts": {str(c): n for c, n in sizes.items()},
             "output_len": output_len,
@@ -278,6 +359,29 @@ def run_sweep(
         "rows": rows,
     }
     return Sweep(result, token_ids)
+
+
+def _row_ids(set_ids: list[list[int]], num_prompts: int) -> list[list[int]]:
+    """A row's prompts: the set's first num_prompts, the set repeating if it is shorter."""
+    return [set_ids[i % len(set_ids)] for i in range(num_prompts)]
+
+
+def _hf_concurrencies(hf: bool, given: list[int] | None, concs: list[int]) -> list[int]:
+    """The hf arm's concurrencies: none unless asked for; the given ones, each one of the sweep's; else the sweep's up
+    to HF_MAX_CONCURRENCY."""
+    if given is None:
+        chosen = [c for c in concs if c <= HF_MAX_CONCURRENCY] if hf else []
+        if hf and not chosen:
+            raise ConfigError(
+                "hf_concurrency", None, f"name some: every sweep concurrency {concs} is above {HF_MAX_CONCURRENCY}"
+            )
+        return chosen
+    for c in given:
+        _check_positive("hf_concurrency", c)
+    outside = sorted(set(given) - set(concs))
+    if not given or outside:
+        raise ConfigError("hf_concurrency", outside or given, f"one or more of the sweep's concurrencies {concs}")
+    return sorted(set(given))
 
 
 def _check_positive(name: str, value: object) -> None:
@@ -304,10 +408,10 @@ def _ms(values: list[float]) -> dict[str, float | None]:
 
 def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) -> dict[str, Any]:
     r = sorted(rounds, key=lambda x: x.output_throughput)[(len(rounds) - 1) // 2]
-    d = r.counters
-    drafts, draft_tokens = d["spec_decode_num_drafts"], d["spec_decode_num_draft_tokens"]
-    accepted = d["spec_decode_num_accepted_tokens"]
-    spec = arm.name != "no-spec"
+    d = r.counters  # empty for hf: no drafts, no preemption count
+    drafts, draft_tokens = d.get("spec_decode_num_drafts", 0), d.get("spec_decode_num_draft_tokens", 0)
+    accepted = d.get("spec_decode_num_accepted_tokens", 0)
+    spec = arm.name not in ("no-spec", HF)
     acceptance = 1 + accepted / drafts if spec and drafts else None
     request_steps = r.num_output_tokens - accepted
     completed = len(r.e2el_s)
@@ -331,7 +435,7 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
         row.update({f"{stat}_{name}_ms": v for stat, v in _ms(values).items()})
     row.update(
         {
-            "num_preemptions": d["num_preemptions"],
+            "num_preemptions": d.get("num_preemptions"),
             "spec_decode_acceptance_length": acceptance,
             "spec_decode_num_drafts": drafts if spec else None,
             "spec_decode_draft_tokens": draft_tokens if spec else None,
@@ -366,17 +470,26 @@ def adaptive_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
     return arms["adaptive"]["output_throughput"] / max(baseline)
 
 
+def hf_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
+    """No-spec's output throughput over transformers' (the issue's goal: >= 20x at C = 256); None without both."""
+    if "no-spec" not in arms or HF not in arms:
+        return None
+    return arms["no-spec"]["output_throughput"] / arms[HF]["output_throughput"]
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     arms = list(result["config"]["arms"])
     table = _by_row(result)
-    ratios = any(adaptive_ratio(a) is not None for a in table.values())
-    head = ["T", "C", *(f"{a} tok/s" for a in arms)] + (["adaptive / max(no-spec, best fixed)"] if ratios else [])
+    ratios = [
+        (head, fn)
+        for head, fn in (("adaptive / max(no-spec, best fixed)", adaptive_ratio), ("no-spec / hf", hf_ratio))
+        if any(fn(a) is not None for a in table.values())
+    ]
+    head = ["T", "C", *(f"{a} tok/s" for a in arms), *(h for h, _ in ratios)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for (t, c), by_arm in table.items():
-        cells = [f"{t:g}", str(c), *(f"{by_arm[a]['output_throughput']:.1f}" for a in arms)]
-        if ratios:
-            ratio = adaptive_ratio(by_arm)
-            cells.append("-" if ratio is None else f"{ratio:.2f}x")
+        cells = [f"{t:g}", str(c), *(f"{by_arm[a]['output_throughput']:.1f}" if a in by_arm else "-" for a in arms)]
+        cells += ["-" if (ratio := fn(by_arm)) is None else f"{ratio:.2f}x" for _, fn in ratios]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -388,6 +501,13 @@ def summary_line(result: dict[str, Any]) -> str:
         f"{len(cfg['arms'])} arms x {len(cfg['concurrencies'])} concurrencies x {len(cfg['temperatures'])} "
         f"temperatures, {cfg['output_len']} tokens per request, {result['dtype']} on {result['machine']['device_name']}"
     )
+    # no-spec / hf at each temperature's largest concurrency where both ran
+    hf_ratios = {}
+    for (t, c), arms in sorted(table.items(), key=lambda kv: kv[0][1]):
+        if (ratio := hf_ratio(arms)) is not None:
+            hf_ratios[t] = f"{ratio:.2f}x (C={c}, T={t:g})"
+    if hf_ratios:
+        shape = f"no-spec / hf: {', '.join(hf_ratios.values())}; {shape}"
     ratios = {key: r for key, arms in table.items() if (r := adaptive_ratio(arms)) is not None}
     if ratios:
         (t_lo, c_lo), (t_hi, c_hi) = min(ratios, key=ratios.__getitem__), max(ratios, key=ratios.__getitem__)
@@ -404,8 +524,8 @@ def summary_line(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Output throughput by concurrency per arm (top) and drafts verified per request-step (bottom), one column of
-    panels per temperature."""
+    """Output throughput by concurrency per arm, hf dashed (top), and drafts verified per request-step of the
+    speculative arms (bottom), one column of panels per temperature."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -418,8 +538,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for i, arm in enumerate(arms):
             rows = [r for r in result["rows"] if r["arm"] == arm and r["temperature"] == t]
             xs = [r["concurrency"] for r in rows]
-            top.plot(xs, [r["output_throughput"] for r in rows], "o-", color=f"C{i}", label=arm)
-            if arm != "no-spec":
+            style = "s--" if arm == HF else "o-"
+            top.plot(xs, [r["output_throughput"] for r in rows], style, color=f"C{i}", label=arm)
+            if arm not in ("no-spec", HF):
                 bottom.plot(xs, [r["mean_verify_len"] for r in rows], "o-", color=f"C{i}", label=arm)
         top.set_title(f"temperature {t:g}")
         top.set_ylabel("output tokens/s")
@@ -429,7 +550,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xticks(result["config"]["concurrencies"], [str(c) for c in result["config"]["concurrencies"]])
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:  # the bottom panel is empty without speculative arms
+                ax.legend(fontsize=8)
     fig.suptitle(f"{result['config']['model']}, {result['dtype']} on {result['machine']['device_name']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -443,12 +565,18 @@ Concurrency C keeps at most C requests in one engine (built once per arm with ma
 runs --num-prompts prompts (default: max(2C, 16)), each exactly --output-len tokens (EOS ignored). The table's cells
 are output tokens/s; the summary line reads:
   adaptive / max(no-spec, best fixed): median <x>, <lowest> (C, T) to <highest> (C, T) over <rows> rows; <shape>
+With --hf, transformers' continuous batching runs the same prompts on the same weights (arm hf, at most C requests in
+flight, at --hf-concurrency) and the summary adds no-spec / hf at each temperature's largest such C.
+The prompts: GSM8K test questions, MT-bench first turns and HumanEval prompts interleaved, read from --data-dir, else
+$DSPARK_DATA_DIR, else ../shared/data beside the checkout; the built-in set when none of them exists.
 
 examples:
   dspark bench sweep --output-json out/sweep.json --output-plot out/sweep.png --output-md out/sweep.md
   dspark bench sweep --arm no-spec --arm fixed-3 --arm adaptive --concurrency 1 8 32 --temperature 0 \\
       --dataset-path gsm8k.jsonl --dataset-path mt-bench.jsonl --dataset-path humaneval.jsonl --repeats 3
   dspark bench sweep --speculative-config '{"method": "dspark", "model": "drafter/"}' --output-len 128
+  dspark bench sweep --arm no-spec --concurrency 1 16 256 1024 --hf   # hf at C = 1, 16, 256
+  dspark bench sweep --arm no-spec --arm adaptive --hf-concurrency 1 256 --data-dir ../shared/data
 """
 
 
@@ -458,7 +586,7 @@ def add_parser(
     """Register `sweep` on the `bench` subparsers (cli.py passes its own formatter)."""
     p = subparsers.add_parser(
         "sweep",
-        help="no-spec, fixed k and adaptive verification by concurrency and temperature, in the same run",
+        help="no-spec, fixed k and adaptive verification (and transformers) by concurrency and temperature, in one run",
         description="Offline sweep: output tokens/s, acceptance length and drafts verified per request-step of each\n"
         "arm at each concurrency and temperature, on a fixed prompt set in a fixed order.",
         epilog=SWEEP_EPILOG,
@@ -501,8 +629,15 @@ def add_parser(
         "--dataset-path",
         action="append",
         metavar="FILE.jsonl",
-        help="JSON lines with 'prompt', 'turns' or 'question' (repeatable, files interleaved; default: the built-in "
-        "set of math, code and chat prompts)",
+        help="JSON lines with 'prompt', 'turns' or 'question' (repeatable, files interleaved; default: the mix from "
+        "--data-dir)",
+    )
+    g.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="a directory laid out as ../shared/data: the default prompts are its GSM8K test questions, MT-bench "
+        f"first turns and HumanEval prompts, interleaved (default: ${DATA_DIR_ENV}, else ../shared/data beside the "
+        "checkout if it exists, else the built-in prompts)",
     )
     g.add_argument(
         "--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template (default: on)"
@@ -512,7 +647,16 @@ def add_parser(
         "--hf",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="also run Hugging Face transformers (not built yet; default: off)",
+        help="also run Hugging Face transformers' continuous batching on the same prompts and weights, as arm hf "
+        "(default: off)",
+    )
+    g.add_argument(
+        "--hf-concurrency",
+        metavar="C",
+        type=int,
+        nargs="+",
+        help=f"the hf arm's concurrencies, each one of --concurrency; implies --hf (default: those up to "
+        f"{HF_MAX_CONCURRENCY})",
     )
     g.add_argument("--output-json", metavar="PATH", help="write the rows and the settings here")
     g.add_argument("--output-plot", metavar="PATH", help="write the throughput and verify-length plot here (PNG)")
@@ -543,9 +687,11 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         num_prompts=args.num_prompts,
         dataset_paths=args.dataset_path,
+        data_dir=args.data_dir,
         chat=args.chat,
         repeats=args.repeats,
         hf=args.hf,
+        hf_concurrencies=args.hf_concurrency,
         command=args.command_line,
     )
     write_outputs(sweep.result, *paths)

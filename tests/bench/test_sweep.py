@@ -1,17 +1,22 @@
-"""`dspark bench sweep` on a tiny random llama: one row per arm, concurrency and temperature with every key, greedy
-outputs that no arm changes, the three output files, and bad arguments named before any model is loaded."""
+"""`dspark bench sweep` on a tiny random llama in fp32: one row per arm, concurrency and temperature with every key,
+greedy outputs that no arm changes (transformers' continuous batching included), the three output files, the prompt
+set (the data directory's mix, else the built-in set), and bad arguments named before any model is loaded."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
 import pytest
 
+from dspark.bench import sweep as sweep_module
 from dspark.bench.prompts import BUILTIN_PROMPTS
 from dspark.bench.sweep import (
     ADAPTIVE_K,
+    DATA_DIR_ENV,
     Sweep,
+    _hf_concurrencies,
     num_prompts_for,
     parse_arm,
     run_sweep,
@@ -24,6 +29,7 @@ from dspark.errors import ConfigError
 
 ARMS = ["no-spec", "fixed-1", "adaptive"]
 CONCURRENCIES = [1, 4]
+HF_CONCURRENCIES = [4]  # a subset: the table shows "-" for hf at C = 1
 TEMPERATURES = [0.0, 1.0]
 NUM_PROMPTS, OUTPUT_LEN = 8, 8
 ROW_KEYS = {
@@ -53,9 +59,32 @@ ROW_KEYS = {
 }
 
 
+# A data directory laid out as ../shared/data, a few records per source: GSM8K in DeepSpec's copy, MT-bench and
+# HumanEval only as the raw sets (so each source's fallback file is read too).
+GSM8K = ["Tom has 3 apples and buys 4 more. How many now?", "A pen costs $2. What do 5 pens cost?", "What is 9 x 7?"]
+MT_BENCH = ["Write a haiku about rain.", "Explain recursion to a child."]
+HUMANEVAL = ['def add(a: int, b: int) -> int:\n    """Add two numbers."""\n', "def is_even(n: int) -> bool:\n"]
+MIX = [GSM8K[0], MT_BENCH[0], HUMANEVAL[0], GSM8K[1], MT_BENCH[1], HUMANEVAL[1], GSM8K[2]]
+
+
 @pytest.fixture(scope="module")
-def sweep(tiny_model_dirs: dict[str, Path]) -> Sweep:
-    config = EngineConfig(model=str(tiny_model_dirs["llama"]), num_kv_blocks=128)
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    for sub in ("deepspec_eval", "mt_bench", "humaneval"):
+        (root / sub).mkdir()
+    (root / "deepspec_eval" / "gsm8k.jsonl").write_text("\n".join(json.dumps({"turns": [q]}) for q in GSM8K))
+    (root / "mt_bench" / "question.jsonl").write_text(
+        "\n".join(json.dumps({"question_id": i, "turns": [q, "a second turn"]}) for i, q in enumerate(MT_BENCH))
+    )
+    records = "\n".join(json.dumps({"task_id": f"HumanEval/{i}", "prompt": p}) for i, p in enumerate(HUMANEVAL))
+    (root / "humaneval" / "HumanEval.jsonl.gz").write_bytes(gzip.compress(records.encode()))
+    return root
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny_model_dirs: dict[str, Path], data_dir: Path) -> Sweep:
+    # fp32: greedy outputs of transformers and dspark agree token for token (bf16 would round differently)
+    config = EngineConfig(model=str(tiny_model_dirs["llama"]), dtype="float32", num_kv_blocks=128)
     return run_sweep(
         config,
         arms=ARMS,
@@ -63,6 +92,8 @@ def sweep(tiny_model_dirs: dict[str, Path]) -> Sweep:
         temperatures=TEMPERATURES,
         output_len=OUTPUT_LEN,
         num_prompts=NUM_PROMPTS,
+        data_dir=str(data_dir),
+        hf_concurrencies=HF_CONCURRENCIES,
         command="test",
     )
 
@@ -70,7 +101,10 @@ def sweep(tiny_model_dirs: dict[str, Path]) -> Sweep:
 def test_rows(sweep: Sweep) -> None:
     rows = sweep.result["rows"]
     assert [(r["temperature"], r["concurrency"], r["arm"]) for r in rows] == [
-        (t, c, a) for t in TEMPERATURES for c in CONCURRENCIES for a in ARMS
+        (t, c, a)
+        for t in TEMPERATURES
+        for c in CONCURRENCIES
+        for a in [*ARMS, *(["hf"] if c in HF_CONCURRENCIES else [])]
     ]
     for row in rows:
         assert row.keys() == ROW_KEYS
@@ -80,9 +114,11 @@ def test_rows(sweep: Sweep) -> None:
         assert row["output_throughput"] > 0 and row["rounds_output_throughput"] == [row["output_throughput"]]
         assert row["output_throughput"] == pytest.approx(row["total_output_tokens"] / row["duration"])
         assert 0 < row["mean_ttft_ms"] <= row["p99_ttft_ms"] and row["mean_tpot_ms"] > 0
-        if row["arm"] == "no-spec":
+        assert row["total_input_tokens"] == sweep.result["rows"][0]["total_input_tokens"]  # the same prompts
+        if row["arm"] in ("no-spec", "hf"):
             assert row["acceptance_length"] is None and row["mean_verify_len"] is None
-            assert row["spec_decode_num_drafts"] is None
+            assert row["spec_decode_num_drafts"] is None and row["verify_budget_mean"] is None
+            assert (row["num_preemptions"] is None) == (row["arm"] == "hf")  # transformers does not count them
             continue
         k = 1 if row["arm"] == "fixed-1" else ADAPTIVE_K
         assert (
@@ -106,10 +142,24 @@ def test_greedy_outputs_match_no_spec(sweep: Sweep) -> None:
     for c in CONCURRENCIES:
         base = sweep.token_ids["no-spec", c, 0.0]
         assert len(base) == NUM_PROMPTS and all(len(t) == OUTPUT_LEN for t in base)
-        for arm in ARMS:
+        for arm in [*ARMS, *(["hf"] if c in HF_CONCURRENCIES else [])]:
             assert sweep.token_ids[arm, c, 0.0] == base
     for row in sweep.result["rows"]:
         assert row["identical_to_no_spec"] == (f"{NUM_PROMPTS}/{NUM_PROMPTS}" if row["temperature"] == 0 else None)
+
+
+def test_hf_rows(sweep: Sweep) -> None:
+    """transformers ran every prompt to exactly OUTPUT_LEN tokens, sampled ones included, and says how it ran."""
+    for t in TEMPERATURES:
+        outputs = sweep.token_ids["hf", 4, t]
+        assert len(outputs) == NUM_PROMPTS and all(len(o) == OUTPUT_LEN for o in outputs)
+    assert ("hf", 1, 0.0) not in sweep.token_ids
+    settings = sweep.result["config"]["arms"]["hf"]
+    assert settings["concurrencies"] == HF_CONCURRENCIES
+    assert settings["attn_implementation"] in ("sdpa", "paged|sdpa")  # CPU, no flash attention: 5.24 / 5.17
+    assert settings["num_blocks"] == {"4": 4 * 2}  # one 256-token block per short request, plus one
+    assert settings["max_batch_tokens"] == {"4": EngineConfig(model="m").max_num_batched_tokens}
+    assert settings["transformers_version"] == sweep.result["machine"]["transformers_version"]
 
 
 def test_writes_json_plot_and_markdown(sweep: Sweep, tmp_path: Path) -> None:
@@ -117,25 +167,47 @@ def test_writes_json_plot_and_markdown(sweep: Sweep, tmp_path: Path) -> None:
     write_outputs(sweep.result, *paths)
     result = json.loads(paths[0].read_text())
     assert {"command", "config", "device", "dtype", "machine", "rows"} <= result.keys()
-    assert list(result["config"]["arms"]) == ARMS and result["config"]["arms"]["no-spec"] is None
+    assert list(result["config"]["arms"]) == [*ARMS, "hf"] and result["config"]["arms"]["no-spec"] is None
+    assert result["config"]["prompt_set"]["name"] == "gsm8k+mt-bench+humaneval"
+    assert result["config"]["prompt_set"]["num_prompts"] == len(MIX) == result["config"]["num_unique_prompts"]
     assert result["config"]["arms"]["adaptive"]["num_speculative_tokens"] == ADAPTIVE_K
     assert result["config"]["engine"]["max_num_seqs"] == max(CONCURRENCIES)
     assert "token_ids" not in paths[0].read_text()
     assert paths[1].read_bytes().startswith(b"\x89PNG")
     table = paths[2].read_text().splitlines()
-    assert "adaptive / max(no-spec, best fixed)" in table[0]
-    assert len([line for line in table if line.startswith("| ")]) == 1 + len(TEMPERATURES) * len(CONCURRENCIES)
+    assert table[0].endswith("| hf tok/s | adaptive / max(no-spec, best fixed) | no-spec / hf |")
+    lines = [line.strip("| ").split(" | ") for line in table if line.startswith("| ")]
+    assert len(lines) == 1 + len(TEMPERATURES) * len(CONCURRENCIES)
+    for cells in lines[1:]:
+        assert (cells[-3] == "-") == (cells[-1] == "-") == (int(cells[1]) not in HF_CONCURRENCIES)
     assert table[-1].startswith("adaptive / max(no-spec, best fixed): median")
+    assert "; no-spec / hf: " in table[-1] and "(C=4, T=0)" in table[-1]
 
 
-def test_cli(tiny_model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli(
+    tiny_model_dirs: dict[str, Path], data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["bench", "sweep", "--model", str(tiny_model_dirs["llama"]), "--num-kv-blocks", "128", "--arm", "no-spec"]
     argv += ["--concurrency", "2", "--temperature", "0", "--num-prompts", "3", "--output-len", "4"]
+    argv += ["--data-dir", str(data_dir), "--hf-concurrency", "2"]  # --hf-concurrency turns the hf arm on
     assert main([*argv, "--output-json", str(tmp_path / "s.json")]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].startswith("| T | C | no-spec tok/s |") and out[-1].startswith("fastest arm: no-spec in 1/1 rows")
-    row = json.loads((tmp_path / "s.json").read_text())["rows"][0]
-    assert row["total_output_tokens"] == 12 and row["max_in_flight"] == 2
+    assert out[0] == "| T | C | no-spec tok/s | hf tok/s | no-spec / hf |"
+    assert out[-1].startswith("fastest arm: ") and "no-spec / hf: " in out[-1]
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert [r["arm"] for r in result["rows"]] == ["no-spec", "hf"]
+    for row in result["rows"]:
+        assert row["total_output_tokens"] == 12 and row["max_in_flight"] == 2
+
+
+def test_hf_needs_continuous_batching(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import transformers
+
+    owner = next(c for c in transformers.GenerationMixin.__mro__ if "init_continuous_batching" in vars(c))
+    monkeypatch.delattr(owner, "init_continuous_batching")
+    assert main(["bench", "sweep", "--model", "/no/such/model", "--hf"]) == 2  # before any model is loaded
+    err = capsys.readouterr().err
+    assert err.startswith("error: hf=True is invalid: transformers with continuous batching") and "5.17" in err
 
 
 @pytest.mark.parametrize(
@@ -147,7 +219,10 @@ def test_cli(tiny_model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.Ca
         (["--dataset-path", "/no/such.jsonl"], "dataset_path"),
         (["--num-prompts", "0"], "num_prompts"),
         (["--temperature", "-1"], "temperature"),
-        (["--hf"], "hf"),
+        (["--hf-concurrency", "3"], "hf_concurrency"),  # not one of the sweep's
+        (["--hf-concurrency", "0"], "hf_concurrency"),
+        (["--concurrency", "512", "--hf"], "hf_concurrency"),  # none up to 256: name them
+        (["--data-dir", "/no/such/dir"], "data_dir"),
         (["--output-plot", "/no/such/dir/x.png"], "output_plot"),
     ],
 )
@@ -156,15 +231,62 @@ def test_bad_arguments(flags: list[str], field: str, capsys: pytest.CaptureFixtu
     assert capsys.readouterr().err.startswith(f"error: {field}=")
 
 
-def test_prompt_order(tmp_path: Path) -> None:
-    builtin = sweep_prompts([])
-    assert sorted(builtin) == sorted(BUILTIN_PROMPTS) and builtin == sweep_prompts([])  # a fixed order
+def test_prompt_sets(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    mix = sweep_prompts([], str(data_dir))
+    assert mix.prompts == MIX and mix.name == "gsm8k+mt-bench+humaneval"
+    assert mix.files == [
+        str(data_dir / f)
+        for f in ("deepspec_eval/gsm8k.jsonl", "mt_bench/question.jsonl", "humaneval/HumanEval.jsonl.gz")
+    ]
+    monkeypatch.setattr(sweep_module, "REPO_DATA_DIR", data_dir)  # the default: ../shared/data beside the checkout
+    assert sweep_prompts([]) == mix
+    monkeypatch.setattr(sweep_module, "REPO_DATA_DIR", tmp_path / "absent")
+    monkeypatch.setenv(DATA_DIR_ENV, str(data_dir))
+    assert sweep_prompts([]) == mix
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))  # named, but holds no prompt set: an error, not the fallback
+    with pytest.raises(ConfigError, match=DATA_DIR_ENV):
+        sweep_prompts([])
+    with pytest.raises(ConfigError, match="data_dir"):
+        sweep_prompts([], str(tmp_path / "absent"))
+
+    monkeypatch.delenv(DATA_DIR_ENV)
+    capsys.readouterr()
+    builtin = sweep_prompts([])  # no data anywhere: the built-in set, said so
+    assert "note: no prompt data at" in capsys.readouterr().err
+    assert builtin.name == "builtin" and builtin.files == []
+    assert sorted(builtin.prompts) == sorted(BUILTIN_PROMPTS) and builtin == sweep_prompts([])  # a fixed order
+
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("\n".join(json.dumps({"prompt": p}) for p in ("a1", "a2", "a3")))
     b.write_text(json.dumps({"turns": ["b1", "later"]}))
-    assert sweep_prompts([str(a), str(b)]) == ["a1", "b1", "a2", "a3"]
+    files = sweep_prompts([str(a), str(b)], str(data_dir))  # files win over the data directory
+    assert files.prompts == ["a1", "b1", "a2", "a3"] and files.name == "dataset-path"
     assert [num_prompts_for(c, None) for c in (1, 8, 64)] == [16, 16, 128]
     assert num_prompts_for(64, 10) == 10
+
+
+@pytest.mark.skipif(not sweep_module.REPO_DATA_DIR.is_dir(), reason="no ../shared/data beside the checkout")
+def test_default_prompt_mix_of_shared_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    mix = sweep_prompts([])
+    assert mix.name == "gsm8k+mt-bench+humaneval" and len(mix.prompts) == 1319 + 80 + 164
+    assert mix.prompts[0].startswith("Janet") and "ducks lay 16 eggs per day" in mix.prompts[0]  # GSM8K test
+    assert mix.prompts[1].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+    assert "def has_close_elements(" in mix.prompts[2]  # HumanEval/0
+    gsm8k = sweep_prompts([mix.files[0]]).prompts
+    assert mix.prompts[80 * 3 + (164 - 80) * 2 :] == gsm8k[164:]  # MT-bench runs out at 80, HumanEval at 164
+
+
+def test_hf_concurrencies() -> None:
+    sweep_concurrencies = [1, 16, 32, 64, 128, 256, 512, 1024]
+    assert _hf_concurrencies(False, None, sweep_concurrencies) == []
+    assert _hf_concurrencies(True, None, sweep_concurrencies) == [1, 16, 32, 64, 128, 256]
+    assert _hf_concurrencies(False, [256, 1, 16, 1], sweep_concurrencies) == [1, 16, 256]
+    with pytest.raises(ConfigError, match="hf_concurrency"):
+        _hf_concurrencies(True, [2], sweep_concurrencies)
 
 
 def test_arm_configs() -> None:
