@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from dspark import __version__
-from dspark.config import DEVICES, DTYPES, MAX_LOGPROBS, EngineConfig, SamplingParams, SpeculativeConfig
+from dspark.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    MAX_LOGPROBS,
+    EngineConfig,
+    SamplingParams,
+    SpeculativeConfig,
+)
 from dspark.errors import ConfigError, DSparkError
 from dspark.llm import LLM
 from dspark.models.registry import DEFAULT_MODEL
@@ -120,6 +128,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: bool = Tru
         help="reuse the KV cache of shared prompt prefixes (default: on)",
     )
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    g.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="auto: Triton on CUDA, the torch reference on CPU (default: %(default)s)",
+    )
     g.add_argument(
         "--speculative-config",
         metavar="JSON",

@@ -15,6 +15,7 @@ from dspark.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this mean argmax (engine-wide)
 MAX_SPECULATIVE_TOKENS = 32
@@ -207,6 +208,8 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # auto: Triton on CUDA (when triton is installed), the torch reference elsewhere
+    attention_backend: str = "auto"
     seed: int = 0
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None  # a dict is parsed into SpeculativeConfig
 
@@ -226,6 +229,8 @@ class EngineConfig:
             _check_int("num_kv_blocks", self.num_kv_blocks, 1)
         _check_float("kv_cache_memory_gb", self.kv_cache_memory_gb, 0.0, 1e4, low_open=True)
         _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError("attention_backend", self.attention_backend, f"one of {', '.join(ATTENTION_BACKENDS)}")
         _check_int("seed", self.seed, 0, 2**63 - 1)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             if not isinstance(self.speculative_config, dict):

@@ -127,3 +127,41 @@ def test_cuda_sampling_draws_what_a_one_row_draw_gives() -> None:
         for i, r in enumerate(rows)
     ]
     assert got == want
+
+
+def test_cuda_graphs_give_the_eager_tokens() -> None:
+    """fp32 greedy: the captured decode and verification steps emit what the eager steps emit, and they were used."""
+    kw = {"device": "cuda", "dtype": "float32", "max_model_len": 1024, "num_kv_blocks": 4096, "max_num_seqs": 32}
+    prompts = [f"Count from {i} to {i + 20}, one number per line." for i in range(12)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "enable_adaptive_verification": False}):
+        eager = LLM(**kw, enforce_eager=True, speculative_config=spec)
+        assert eager.engine.runner.graphs is None
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy)]
+        graphs = LLM(**kw, speculative_config=spec)
+        runner = graphs.engine.runner.graphs
+        assert runner is not None and runner.graphs
+        got = [o.outputs[0].token_ids for o in graphs.generate(prompts, greedy)]
+        assert runner.num_replays > 0
+        assert got == want, spec
+
+
+def test_cuda_decode_steps_make_no_host_sync() -> None:
+    """Steady-state decode steps (captured graph, sampling at T = 1 and T = 0) under sync debug mode "error": every
+    host-device copy is asynchronous; the step waits only on the event of its own output copy."""
+    llm = LLM(device="cuda", max_model_len=1024, num_kv_blocks=4096, max_num_seqs=16)
+    engine = llm.engine
+    for i in range(16):
+        params = SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i, max_tokens=64, ignore_eos=True)
+        engine.add_request(f"Tell me about the number {i}.", params)
+    for _ in range(3):  # prefill, then the first decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    replays = engine.runner.graphs.num_replays
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs = [engine.step() for _ in range(20)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.runner.graphs.num_replays == replays + 20
+    assert all(len(out) == 16 for out in outputs)

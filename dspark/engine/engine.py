@@ -26,7 +26,7 @@ from dspark.spec.dspark.model import DSparkModel
 from dspark.spec.planner import VerificationPlanner
 from dspark.spec.trace import TraceWriter
 from dspark.tokenizer import load_tokenizer
-from dspark.worker.model_runner import ModelRunner, kv_bytes_per_block
+from dspark.worker.model_runner import ModelRunner, kv_bytes_per_block, make_backend
 from dspark.worker.profiler import load_or_profile
 from dspark.worker.sampler import SampledRow
 
@@ -113,9 +113,20 @@ class LLMEngine:
                 config.block_size,
                 self.device,
                 self.dtype,
+                make_backend(config.attention_backend, self.device),
             )
         verify_method = self.spec.verify_method if self.spec is not None else "strict"
-        self.runner = ModelRunner(config, self.model, self.device, self.dtype, num_blocks, drafter, verify_method)
+        self.runner = ModelRunner(
+            config,
+            self.model,
+            self.device,
+            self.dtype,
+            num_blocks,
+            drafter,
+            verify_method,
+            self.max_model_len,
+            self.num_spec_tokens,
+        )
         self.planner = self._make_planner(cost_model) if self.spec is not None else None
         self.trace = (
             TraceWriter(Path(self.spec.trace_path), self._trace_header())

@@ -19,6 +19,7 @@ from dspark.engine.request import Request
 if TYPE_CHECKING:
     from dspark.models.llama import CausalLM
     from dspark.spec.dspark.model import DSparkModel
+    from dspark.worker.attention.base import AttentionBackend
 
 
 @dataclass
@@ -68,6 +69,7 @@ def make_drafter(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype,
+    backend: AttentionBackend | None = None,  # the DSpark drafter's attention; None: the torch reference
 ) -> Drafter:
     """The drafter of a speculative config; the DSpark weights were loaded (and checked) by the engine."""
     from dspark.spec.dspark.proposer import DSparkDrafter
@@ -77,4 +79,4 @@ def make_drafter(
         return NgramProposer(num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     assert dspark_model is not None
     sample = spec.draft_sample_method == "probabilistic"
-    return DSparkDrafter(dspark_model, target, num_tokens, sample, num_blocks, block_size, device, dtype)
+    return DSparkDrafter(dspark_model, target, num_tokens, sample, num_blocks, block_size, device, dtype, backend)

@@ -31,6 +31,7 @@ from dspark.spec.cost_model import CostModel, RefinedCostModel
 from dspark.spec.regime import RegimeChooser
 from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, drafting_pays
 from dspark.train.calibrate import NUM_BINS
+from dspark.worker.transfer import download, upload, upload_tensor
 
 MIN_CONFIDENCE = 1e-4  # a held draft keeps a positive survival: 0 means "no draft here" to allocate
 
@@ -150,6 +151,7 @@ class VerificationPlanner:
         self.num_planned_steps = 0
         self.num_steps_without_drafting = 0  # steps where drafting would not have paid (high load)
         self.sum_budget = 0
+        self.plan_ms_total = 0.0  # wall time of plan() over planned steps: the budget choice and the allocation
         self.verify_len_hist = [0] * (num_spec_tokens + 1)  # requests that verified l drafts in a step, l = 0..K
         self._shape: tuple[int, int] | None = None  # this step's (requests that sample, tokens), once planned
         self._verified_drafts = False
@@ -174,7 +176,7 @@ class VerificationPlanner:
         if confidences is None:
             rates = (self.accepted + 1.0) / (self.reached + 2.0)  # Beta(1, 1) prior: 0.5 before any outcome
             rows = torch.tensor(strata or [0] * len(request_ids), dtype=torch.int64).clamp_(0, rates.shape[0] - 1)
-            current = rates[rows].to(self.device, torch.float32)
+            current = upload_tensor(rates[rows].float(), self.device)
             if strata is not None:
                 self._stratum.update(zip(request_ids, strata, strict=True))
         else:
@@ -183,13 +185,13 @@ class VerificationPlanner:
                 current = torch.cat([current, current.new_zeros(current.shape[0], k - current.shape[1])], dim=1)
         current = current.clamp(MIN_CONFIDENCE, 1.0)
         held = (
-            torch.arange(k, device=current.device)[None, :] < torch.tensor(num_drafts, device=current.device)[:, None]
+            torch.arange(k, device=current.device)[None, :] < upload(num_drafts, torch.int64, current.device)[:, None]
         )
         previous = [self._smoothed.get(rid) for rid in request_ids]
         # NOTE: learned rates are already averages over many blocks: smoothing them again only mixes in a stale
         # stratum (measured: alpha 0 predicts n-gram acceptance best at every batch size, README).
         if confidences is not None and self.alpha > 0 and any(p is not None for p in previous):
-            has = torch.tensor([p is not None for p in previous], device=current.device)
+            has = upload([p is not None for p in previous], torch.bool, current.device)
             prev = torch.stack([current[i] if p is None else p for i, p in enumerate(previous)])
             smoothed = torch.where(has[:, None], self.alpha * prev + (1.0 - self.alpha) * current, current)
         else:
@@ -247,20 +249,21 @@ class VerificationPlanner:
         self._verified_drafts = False
         if not items:
             return
+        started = time.perf_counter()
         caps = [len(s.spec_token_ids) for s in items]
         num_other = sched.num_tokens - sum(caps)
         if self.adaptive:
             assert self.cost is not None
             live = torch.stack([self._live[s.request.request_id] for s in items])
-            cap_t = torch.tensor(caps, dtype=torch.int64, device=live.device)
+            cap_t = upload(caps, torch.int64, live.device)
             if self.mode == "async":
                 self._harvest()
                 stale = torch.stack([self._stale.get(s.request.request_id, self._prior) for s in items])
                 stale = torch.where(torch.arange(self.k)[None, :] < torch.tensor(caps)[:, None], stale, 0.0)
                 budget = choose_budget(stale, num_sampling, num_other, self.cost)
-                counts = allocate(live, budget, cap_t).tolist()
+                counts = download(allocate(live, budget, cap_t))[0]
             else:
-                counts = choose_budget_sync(live, num_sampling, num_other, self.cost, cap_t).tolist()
+                counts = download(choose_budget_sync(live, num_sampling, num_other, self.cost, cap_t))[0]
             for s, n in zip(items, counts, strict=True):
                 s.num_new_tokens -= len(s.spec_token_ids) - n
                 s.spec_token_ids = s.spec_token_ids[:n]
@@ -268,6 +271,8 @@ class VerificationPlanner:
             self.sum_budget += sum(counts)
             self._shape = (num_sampling, num_other + sum(counts))
             self._verified_drafts = sum(counts) > 0
+            # Host time of the budget choice and the allocation, kernel and copy included (the device is idle here).
+            self.plan_ms_total += (time.perf_counter() - started) * 1e3
         for s in items:
             self.verify_len_hist[len(s.spec_token_ids)] += 1
 
@@ -351,6 +356,7 @@ class VerificationPlanner:
         return {
             "adaptive_verification_mode": self.mode,
             "spec_decode_verify_budget_mean": self.sum_budget / self.num_planned_steps if self.num_planned_steps else 0,
+            "spec_decode_plan_ms_total": self.plan_ms_total,
             "spec_decode_verify_len_hist": list(self.verify_len_hist),
             "spec_decode_num_steps_without_drafting": self.num_steps_without_drafting,
             "spec_decode_regime_explorations": self.regime.num_explorations,

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.worker.sampler import inverse_cdf, uniform
+from dspark.worker.sampler import Sampler, inverse_cdf, uniform
+from dspark.worker.transfer import download, upload
 
 METHODS = ("probabilistic", "strict")
 ACCEPT_STREAM = 1
@@ -58,26 +59,42 @@ def verify(
     num_drafts = sum(len(r.draft_tokens) for r in rows)
     if draft_probs is not None and method == "probabilistic" and draft_probs.shape[0] != num_drafts:
         raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows, the drafts need {num_drafts}")
-    # NOTE: everything a row's decisions read is gathered up front (one device-to-host copy each), so the loop below
-    # runs on host values; only a rejection's residual and a non-greedy bonus touch the device again, once a request.
-    tops = target_probs.argmax(dim=-1).tolist()
-    t_index, d_index, tokens = [], [], []
+    # NOTE: everything a row's decisions read is computed up front in batched kernels and reaches the host in one
+    # copy: the argmax of every row, the token plain sampling would draw at every row (strict verification and the
+    # bonus), and p(x), q(x) of every draft. Only the residual draws of rejected drafts need a second copy.
+    t_index, d_index, tokens, plain_us = [], [], [], []
     t_row = d_row = 0
     for r in rows:
         t_index += range(t_row, t_row + len(r.draft_tokens))
         d_index += range(d_row, d_row + len(r.draft_tokens))
         tokens += r.draft_tokens
+        plain_us += [0.0 if r.greedy else uniform(r.seed, r.first_counter + k) for k in range(len(r.draft_tokens) + 1)]
         t_row += len(r.draft_tokens) + 1
         d_row += len(r.draft_tokens)
+    dev = target_probs.device
+    needed = [target_probs.argmax(dim=-1)]
+    # On CPU there is no sync to save: plain draws are made lazily, only for the rows a decision reaches.
+    batched = not all(r.greedy for r in rows) and dev.type != "cpu"
+    if batched:
+        needed.append(_SAMPLER.draw(target_probs, plain_us))
     probabilistic = method == "probabilistic" and bool(tokens)
     if probabilistic:
-        x = torch.tensor(tokens, device=target_probs.device)
-        p_at = target_probs[torch.tensor(t_index, device=x.device), x].tolist()
-        q_at = draft_probs[torch.tensor(d_index, device=x.device), x].tolist()  # type: ignore[index]
+        x = upload(tokens, torch.int64, dev)
+        needed.append(target_probs[upload(t_index, torch.int64, dev), x])
+        needed.append(draft_probs[upload(d_index, torch.int64, dev), x])  # type: ignore[index]
+    host = download(*needed)
+    tops = host[0]
+    plain_host = host[1] if batched else None
+
+    def plain(row: int) -> int:
+        return plain_host[row] if plain_host is not None else inverse_cdf(target_probs[row], plain_us[row])
+
+    p_at, q_at = (host[-2], host[-1]) if probabilistic else ([], [])
 
     out: list[list[int]] = []
+    residuals: list[tuple[int, int, int, int]] = []  # (request, target row, draft row, output index) to redraw
     t_row = d_row = 0
-    for r in rows:
+    for i, r in enumerate(rows):
         emitted: list[int] = []
         for k, x_k in enumerate(r.draft_tokens):
             n = r.first_counter + k
@@ -85,28 +102,44 @@ def verify(
                 choice = tops[t_row + k]
                 accept = choice == x_k
             elif method == "strict":
-                choice = inverse_cdf(target_probs[t_row + k], uniform(r.seed, n))
+                choice = plain(t_row + k)
                 accept = choice == x_k
             else:
                 # NOTE: u * q < p rather than u < p / q: exact when q(x) = 0 (a draft the drafter could not have
                 # proposed is always accepted only if the target allows it).
                 accept = uniform(r.seed, n, ACCEPT_STREAM) * q_at[d_row + k] < p_at[d_row + k]
-                choice = x_k if accept else _residual(target_probs[t_row + k], draft_probs[d_row + k], r, n)  # type: ignore[index]
+                choice = x_k
+                if not accept:
+                    residuals.append((i, t_row + k, d_row + k, n))
             emitted.append(choice)
             if not accept:  # a rejection ends the row even if the correction happens to equal the draft
                 break
         else:  # every draft accepted: the bonus token, drawn as plain sampling would draw it
             b = t_row + len(r.draft_tokens)
-            n = r.first_counter + len(r.draft_tokens)
-            emitted.append(tops[b] if r.greedy else inverse_cdf(target_probs[b], uniform(r.seed, n)))
+            emitted.append(tops[b] if r.greedy else plain(b))
         out.append(emitted)
         t_row += len(r.draft_tokens) + 1
         d_row += len(r.draft_tokens)
+    if residuals:  # every rejection's correction at once: a sample of normalise(max(p - q, 0))
+        assert draft_probs is not None
+        drawn = _residuals(target_probs, draft_probs, residuals, {i: rows[i].seed for i, *_ in residuals})
+        for (i, *_), token in zip(residuals, drawn, strict=True):
+            out[i][-1] = token
     return out
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor, r: VerifyRow, n: int) -> int:
-    residual = (p.double() - q.double()).clamp_(min=0.0)
-    if float(residual.sum()) <= 0.0:  # p == q: a rejection has probability 0; guard the rounding case
-        return inverse_cdf(p, uniform(r.seed, n, RESIDUAL_STREAM))
-    return inverse_cdf(residual, uniform(r.seed, n, RESIDUAL_STREAM))
+_SAMPLER = Sampler()
+
+
+def _residuals(
+    p: torch.Tensor, q: torch.Tensor, rejected: list[tuple[int, int, int, int]], seeds: dict[int, int]
+) -> list[int]:
+    dev = p.device
+    t_rows = upload([t for _, t, _, _ in rejected], torch.int64, dev)
+    d_rows = upload([d for _, _, d, _ in rejected], torch.int64, dev)
+    residual = (p[t_rows].double() - q[d_rows].double()).clamp_(min=0.0)
+    # p == q: a rejection has probability 0; guard the rounding case by drawing from p itself.
+    empty = residual.sum(dim=-1, keepdim=True) <= 0.0
+    residual = torch.where(empty, p[t_rows].double(), residual)
+    us = [uniform(seeds[i], n, RESIDUAL_STREAM) for i, _, _, n in rejected]
+    return download(_SAMPLER.draw(residual, us))[0]

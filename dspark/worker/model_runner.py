@@ -6,6 +6,7 @@ the scheduler and the engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -13,14 +14,20 @@ import torch
 from dspark.config import EngineConfig
 from dspark.engine.request import Request
 from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
+from dspark.errors import ConfigError
 from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM
 from dspark.spec.drafter import Drafter, Proposal
+from dspark.spec.kernels import triton_available
 from dspark.spec.verify import VerifyRow, verify
-from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache, slots_for
+from dspark.worker.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache, slots_for
 from dspark.worker.attention.torch_ref import TorchAttention
+from dspark.worker.cuda_graphs import GraphRunner
 from dspark.worker.numerics import padded_rows
 from dspark.worker.sampler import SampledRow, Sampler, SamplingRow
+from dspark.worker.transfer import upload, upload_tensor
+
+LogitsOf = Callable[[list[int]], torch.Tensor]  # the step's fp32 logits of these flattened rows (padding allowed)
 
 
 @dataclass
@@ -35,6 +42,20 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+GRAPH_MAX_TOKENS = 4096  # steps past this run eagerly: their kernels are long enough that launches no longer matter
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The attention backend for this engine: Triton on CUDA when asked for or by default (auto), else torch."""
+    if name == "triton" or (name == "auto" and device.type == "cuda" and triton_available()):
+        if device.type != "cuda":
+            raise ConfigError("attention_backend", name, "triton needs a CUDA device; use auto or torch here")
+        from dspark.worker.attention.triton_backend import TritonAttention
+
+        return TritonAttention()
+    return TorchAttention()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -45,6 +66,8 @@ class ModelRunner:
         num_blocks: int,
         drafter: Drafter | None = None,
         verify_method: str = "strict",
+        max_model_len: int | None = None,
+        num_spec_tokens: int = 0,
     ) -> None:
         self.config = config
         self.model = model
@@ -58,11 +81,28 @@ class ModelRunner:
             KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
-        self.backend = TorchAttention()
+        self.backend = make_backend(config.attention_backend, device)
         self.sampler = Sampler()
         self.drafter = drafter
         self.verify_method = verify_method
         self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, vocab] of its pending drafts
+        self.graphs: GraphRunner | None = None
+        if device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
+            from dspark.worker.attention.triton_backend import TritonAttention
+
+            self.graphs = GraphRunner(
+                model,
+                self.kv_caches,
+                TritonAttention,
+                config.max_num_seqs,
+                min(config.max_num_batched_tokens, GRAPH_MAX_TOKENS),
+                (1, num_spec_tokens + 1) if num_spec_tokens else (1,),
+                max_model_len or cfg.max_position_embeddings,
+                config.block_size,
+                drafter.tap_layers if drafter is not None else (),
+                device,
+            )
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -73,6 +113,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         bs = self.block_size
+        max_query_len = 0
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
@@ -83,36 +124,32 @@ class ModelRunner:
             query_start.append(query_start[-1] + s.num_new_tokens)
             seq_lens.append(end)
             tables.append(req.block_ids)
+            max_query_len = max(max_query_len, s.num_new_tokens)
 
-        num_actual = len(input_ids)
-        pad = padded_rows(num_actual) - num_actual  # padding rows: token 0, position 0, slot -1
-        dev = self.device
-        max_blocks = max(len(t) for t in tables)
-        slot_mapping = torch.tensor(slots + [-1] * pad, dtype=torch.int64, device=dev)
-        meta = AttentionMetadata(
-            num_actual_tokens=num_actual,
-            slot_mapping=slot_mapping,
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
-            max_seq_len=max(seq_lens),
-        )
-        mcfg = self.model.config
-        self.backend.prepare(meta, mcfg.num_kv_heads, mcfg.num_heads, bs)
-        ids = torch.tensor(input_ids + [0] * pad, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions + [0] * pad, dtype=torch.int64, device=dev)
         taps = self.drafter.tap_layers if self.drafter is not None else ()
-        hidden, tapped = self.model.forward_with_taps(
-            ids, pos, AttentionContext(self.backend, meta, self.kv_caches), taps
-        )
+        key = self.graphs.pick(len(input_ids), len(seq_lens), max_query_len) if self.graphs is not None else None
+        if key is not None:
+            assert self.graphs is not None
+            logits_all, tapped = self.graphs.replay(key, input_ids, positions, slots, query_start, seq_lens, tables)
+            pos, slot_mapping = self.graphs.pos, self.graphs.slots
+
+            def logits_of(rows: list[int]) -> torch.Tensor:
+                if rows == list(range(len(input_ids))):  # decode and verification: every row is a logit row
+                    return logits_all
+                return logits_all[upload(rows, torch.int64, self.device)]
+
+        else:
+            hidden, tapped, pos, slot_mapping = self._forward_eager(
+                input_ids, positions, slots, query_start, seq_lens, tables, max_query_len, taps
+            )
+
+            def logits_of(rows: list[int]) -> torch.Tensor:
+                return self._logits(hidden, rows)
 
         if any(s.spec_token_ids for s in sched.scheduled):
-            out = self._verify(sched, hidden, query_start)
+            out = self._verify(sched, logits_of, query_start)
         else:
-            out = self._sample(sched, hidden, query_start)
+            out = self._sample(sched, logits_of, query_start)
         if self.drafter is not None and self.drafter.tap_layers:
             # The drafter's context grows by what the target keeps: every plain token and the accepted drafts.
             keep = [
@@ -126,24 +163,62 @@ class ModelRunner:
                     + out.num_accepted.get(s.request.request_id, 0),
                 )
             ]
-            rows = torch.tensor(keep, dtype=torch.int64, device=dev)
+            rows = upload(keep, torch.int64, self.device)
             self.drafter.extend_context(None if tapped is None else tapped[rows], pos[rows], slot_mapping[rows])
         return out
+
+    def _forward_eager(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        query_start: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+        max_query_len: int,
+        taps: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        num_actual = len(input_ids)
+        pad = padded_rows(num_actual) - num_actual  # padding rows: token 0, position 0, slot -1
+        dev = self.device
+        max_blocks = max(len(t) for t in tables)
+        slot_mapping = upload(slots + [-1] * pad, torch.int64, dev)
+        meta = AttentionMetadata(
+            num_actual_tokens=num_actual,
+            slot_mapping=slot_mapping,
+            query_start_loc=upload(query_start, torch.int32, dev),
+            seq_lens=upload(seq_lens, torch.int32, dev),
+            block_tables=upload_tensor(
+                torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32), dev
+            ),
+            query_start_loc_cpu=query_start,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens),
+        )
+        mcfg = self.model.config
+        self.backend.prepare(meta, mcfg.num_kv_heads, mcfg.num_heads, self.block_size)
+        ids = upload(input_ids + [0] * pad, torch.int64, dev)
+        pos = upload(positions + [0] * pad, torch.int64, dev)
+        hidden, tapped = self.model.forward_with_taps(
+            ids, pos, AttentionContext(self.backend, meta, self.kv_caches), taps
+        )
+        return hidden, tapped, pos, slot_mapping
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """fp32 logits of these rows of the step ([len(rows) padded to a multiple of 4, vocab])."""
         padded = rows + [rows[-1]] * (padded_rows(len(rows)) - len(rows))
-        return self.model.compute_logits(hidden[torch.tensor(padded, device=self.device)])
+        return self.model.compute_logits(hidden[upload(padded, torch.int64, self.device)])
 
-    def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]) -> RunnerOutput:
+    def _sample(self, sched: SchedulerOutput, logits_of: LogitsOf, query_start: list[int]) -> RunnerOutput:
         sampling = [(r, s) for r, s in enumerate(sched.scheduled) if s.samples]
         if not sampling:
             return RunnerOutput({})
-        logits = self._logits(hidden, [query_start[r + 1] - 1 for r, _ in sampling])
+        logits = logits_of([query_start[r + 1] - 1 for r, _ in sampling])
         sampled = self.sampler(logits, [sampling_row(s.request) for _, s in sampling])
         return RunnerOutput({s.request.request_id: [row] for (_, s), row in zip(sampling, sampled, strict=True)})
 
-    def _verify(self, sched: SchedulerOutput, hidden: torch.Tensor, query_start: list[int]) -> RunnerOutput:
+    def _verify(self, sched: SchedulerOutput, logits_of: LogitsOf, query_start: list[int]) -> RunnerOutput:
         """Every sampling request verifies its l drafts (0..K) on its last l + 1 rows, each row shaped by the same
         sampling row the plain sampler would use at that output position."""
         sampling = [(r, s) for r, s in enumerate(sched.scheduled) if s.samples]
@@ -155,7 +230,7 @@ class ModelRunner:
             logit_rows += range(query_start[r + 1] - n - 1, query_start[r + 1])
             rows += [sampling_row(s.request, s.spec_token_ids[:j]) for j in range(n + 1)]
             vrows.append(VerifyRow(s.request.seed, s.request.num_output_tokens, s.spec_token_ids, rows[-1].greedy))
-        logits = self._logits(hidden, logit_rows)
+        logits = logits_of(logit_rows)
         target_probs = self.sampler.target_probs(logits[: len(rows)], rows)
         draft_probs = None
         if self.verify_method == "probabilistic":

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import GREEDY_BELOW
+from dspark.worker.transfer import download, upload
 
 _MASK64 = (1 << 64) - 1
 _STREAM_SALT = 0x5DEECE66D2F1A7B3
@@ -94,38 +95,37 @@ class Sampler:
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The distribution each row samples from: temperature, min_p, top_k, top_p applied. Greedy rows: one-hot."""
         vocab = logits.shape[1]
-        temps = torch.tensor([max(r.temperature, GREEDY_BELOW) for r in rows], device=logits.device)
+        temps = upload([max(r.temperature, GREEDY_BELOW) for r in rows], torch.float32, logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         greedy = [i for i, r in enumerate(rows) if r.greedy]
         if greedy:  # one batched write, not a few small kernels per row
-            g = torch.tensor(greedy, device=logits.device)
+            g = upload(greedy, torch.int64, logits.device)
             probs[g] = torch.nn.functional.one_hot(logits[g].argmax(dim=-1), vocab).to(probs.dtype)
         for i, r in enumerate(rows):
             if r.greedy or not (r.min_p > 0.0 or 0 < r.top_k < vocab or r.top_p < 1.0):
                 continue  # softmax rows are already normalised
             p = probs[i]
             if r.min_p > 0.0:
-                p[p < r.min_p * p.max()] = 0.0
+                p.masked_fill_(p < r.min_p * p.max(), 0.0)
             if 0 < r.top_k < vocab or r.top_p < 1.0:
                 sorted_p, order = torch.sort(p, descending=True, stable=True)
                 keep = torch.ones_like(sorted_p, dtype=torch.bool)
                 if 0 < r.top_k < vocab:
                     keep[r.top_k :] = False
                 if r.top_p < 1.0:
-                    sorted_p = sorted_p.masked_fill(~keep, 0.0)
-                    mass_before = torch.cumsum(sorted_p, 0) - sorted_p
+                    kept = sorted_p.masked_fill(~keep, 0.0)
+                    mass_before = torch.cumsum(kept, 0) - kept
                     # NOTE: keep the smallest prefix whose mass reaches top_p (the top token always stays).
-                    keep &= mass_before < r.top_p * sorted_p.sum()
-                p[order[~keep]] = 0.0
+                    keep &= mass_before < r.top_p * kept.sum()
+                # NOTE: a scatter, not p[order[~keep]] = 0: boolean indexing waits for the device to count the mask.
+                p.scatter_(0, order, sorted_p.masked_fill(~keep, 0.0))
             probs[i] = p / p.sum()
         return probs
 
     def sample(self, probs: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         """Inverse-CDF sampling with one counter-based uniform per row (no generator state, no vocab-sized noise).
 
-        Greedy rows are one-hot in probs already (at the argmax of the processed logits). On an accelerator all rows
-        are drawn in one batched pass and reach the host in one copy (a per-row loop costs a device sync per request);
-        on CPU row by row, where there is no sync to save and torch's 2-D fp64 cumsum is several times slower."""
+        Greedy rows are one-hot in probs already (at the argmax of the processed logits)."""
         n = len(rows)
         if probs.device.type == "cpu":
             tops = probs[:n].argmax(dim=-1).tolist() if any(r.greedy for r in rows) else []
@@ -134,15 +134,21 @@ class Sampler:
             ]
         tokens = probs[:n].argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.greedy]
-        if sampled:
-            u = torch.tensor([uniform(rows[i].seed, rows[i].counter) for i in sampled], dtype=torch.float64)
-            u = u.to(probs.device, non_blocking=True)
-            if len(sampled) == n:
-                tokens = inverse_cdf_rows(probs[:n], u)
-            else:
-                idx = torch.tensor(sampled).to(probs.device, non_blocking=True)
-                tokens[idx] = inverse_cdf_rows(probs[idx], u)
-        return tokens.tolist()
+        if len(sampled) == n:
+            tokens = self.draw(probs[:n], [uniform(r.seed, r.counter) for r in rows])
+        elif sampled:
+            idx = upload(sampled, torch.int64, probs.device)
+            tokens[idx] = self.draw(probs[idx], [uniform(rows[i].seed, rows[i].counter) for i in sampled])
+        return download(tokens)[0]
+
+    def draw(self, probs: torch.Tensor, us: list[float]) -> torch.Tensor:
+        """Row i's token at quantile us[i] of probs[i] ([n] int64, on probs' device, not yet on the host).
+
+        On an accelerator all rows are drawn in one batched pass (a per-row loop costs a device sync per row); on CPU
+        row by row, where there is no sync to save and torch's 2-D fp64 cumsum is several times slower."""
+        if probs.device.type == "cpu":
+            return torch.tensor([inverse_cdf(probs[i], u) for i, u in enumerate(us)], dtype=torch.int64)
+        return inverse_cdf_rows(probs, upload(us, torch.float64, probs.device))
 
 
 def inverse_cdf(p: torch.Tensor, u: float) -> int:

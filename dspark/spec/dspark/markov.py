@@ -15,6 +15,7 @@ from torch import nn
 
 from dspark.spec.dspark.confidence import ConfidenceHead
 from dspark.worker.sampler import inverse_cdf_rows, uniform
+from dspark.worker.transfer import upload, upload_tensor
 
 DRAFT_STREAM = 3  # the counter-based stream drafts are sampled from (0-2 belong to sampling and verification)
 
@@ -60,12 +61,16 @@ def sample_block(
     num_reqs, k = len(rows), base_logits.shape[1]
     prev = anchors
     tokens, probs, conf = [], [], []
-    temps = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=h.device)
-    greedy = torch.tensor([r.greedy for r in rows], device=h.device)
+    temps = upload([1.0 if r.greedy else r.temperature for r in rows], torch.float32, h.device)
+    greedy = upload([r.greedy for r in rows], torch.bool, h.device)
     if sample:  # every draw of the block at once, before the loop: [R, k]
-        u_all = torch.tensor(
-            [[uniform(r.seed, r.first_counter + j, DRAFT_STREAM) for j in range(k)] for r in rows], dtype=torch.float64
-        ).to(h.device)
+        u_all = upload_tensor(
+            torch.tensor(
+                [[uniform(r.seed, r.first_counter + j, DRAFT_STREAM) for j in range(k)] for r in rows],
+                dtype=torch.float64,
+            ),
+            h.device,
+        )
     for j in range(k):
         if head is not None:
             e, correction = head(prev)
@@ -77,7 +82,8 @@ def sample_block(
         top = torch.argmax(logits[:num_reqs], dim=-1)
         if sample:
             q = torch.softmax(logits[:num_reqs] / temps[:, None], dim=-1)
-            q[greedy] = torch.nn.functional.one_hot(top[greedy], q.shape[-1]).to(q.dtype)
+            # NOTE: torch.where, not q[greedy] = ...: boolean indexing waits for the device to count the mask.
+            q = torch.where(greedy[:, None], torch.nn.functional.one_hot(top, q.shape[-1]).to(q.dtype), q)
             x = torch.where(greedy, top, inverse_cdf_rows(q, u_all[:, j]))
             probs.append(q)
         else:

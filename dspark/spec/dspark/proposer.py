@@ -17,9 +17,10 @@ from dspark.models.llama import CausalLM
 from dspark.spec.drafter import Proposal
 from dspark.spec.dspark.markov import DraftRow, sample_block
 from dspark.spec.dspark.model import DSparkModel
-from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache, slots_for
+from dspark.worker.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache, slots_for
 from dspark.worker.attention.torch_ref import TorchAttention
 from dspark.worker.numerics import padded_rows
+from dspark.worker.transfer import download, upload, upload_tensor
 
 
 class DSparkDrafter:
@@ -35,6 +36,7 @@ class DSparkDrafter:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        backend: AttentionBackend | None = None,  # None: the torch reference
     ) -> None:
         cfg = model.config
         self.model = model
@@ -50,7 +52,7 @@ class DSparkDrafter:
             KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
-        self.backend = TorchAttention()
+        self.backend = backend if backend is not None else TorchAttention()
         temps = cfg.sts_temperatures or (1.0,) * cfg.block_size
         self.inv_temperature = 1.0 / torch.tensor(temps[:num_tokens], dtype=torch.float32, device=device)
         biases = cfg.sts_biases or (0.0,) * cfg.block_size
@@ -87,10 +89,12 @@ class DSparkDrafter:
         max_blocks = max(len(t) for t in tables)
         meta = AttentionMetadata(
             num_actual_tokens=num_tokens,
-            slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64, device=dev),
+            slot_mapping=upload(slots + [-1] * pad, torch.int64, dev),
             query_start_loc=torch.arange(0, num_tokens + 1, K, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            seq_lens=upload(seq_lens, torch.int32, dev),
+            block_tables=upload_tensor(
+                torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32), dev
+            ),
             query_start_loc_cpu=list(range(0, num_tokens + 1, K)),
             seq_lens_cpu=seq_lens,
             max_query_len=K,
@@ -100,10 +104,10 @@ class DSparkDrafter:
         self.backend.prepare(meta, cfg.num_kv_heads, cfg.num_heads, bs)
 
         embed = self.target.model.embed_tokens
-        anchor_ids = torch.tensor(anchors, dtype=torch.int64, device=dev)
+        anchor_ids = upload(anchors, torch.int64, dev)
         x = self.model.mask_input(embed).expand(num_tokens + pad, -1).clone()
         x[torch.arange(num_reqs, device=dev) * K] = embed(anchor_ids).to(x.dtype)
-        pos = torch.tensor(positions + [0] * pad, dtype=torch.int64, device=dev)
+        pos = upload(positions + [0] * pad, torch.int64, dev)
         h = self.model.backbone(x, pos, AttentionContext(self.backend, meta, self.caches))
 
         # Only the first k of the K slots are drafted; rows are padded for batch-invariant matmuls.
@@ -121,4 +125,4 @@ class DSparkDrafter:
             # NOTE: not torch.sigmoid, whose vectorised loop gives an element different bits by where it sits.
             scaled = drafts.confidence_logits[:num_reqs] * self.inv_temperature + self.bias
             confidences = 1 / (1 + torch.exp(-scaled))
-        return Proposal(drafts.tokens.tolist(), drafts.probs, confidences)
+        return Proposal(download(drafts.tokens)[0], drafts.probs, confidences)

@@ -1,0 +1,196 @@
+"""CUDA graphs of the target's forward for steps without long queries: decode and speculative verification.
+
+A 135M-parameter model's decode step is a few hundred small kernels; launched one by one from Python they cost more
+than they compute. Each graph is captured once, on a grid of padded token counts T, for a promised longest query q
+(1: plain decode; K + 1: verification), with R = min(T, max_num_seqs) request slots. A step with n <= T tokens from
+r <= R requests and no query longer than q replays the smallest graph that fits:
+
+- inputs live in static device buffers filled by non_blocking copies from pinned staging (no host sync);
+- padding tokens have slot -1 (the KV write skips them) and sit past query_start_loc[r]; padding request slots are
+  empty (no tokens, seq_len 0), so padding neither writes to the cache nor changes a real row's attention. (vLLM
+  keeps every captured request slot non-empty instead; the Triton kernel treats an empty slot as no work, which
+  needs no fake tokens.)
+- the attention metadata's host-side maxima are upper bounds fixed at capture (q, max_model_len), which is what the
+  Triton backend is allowed to read (worker/attention/triton_backend.py);
+- logits are computed for all T rows inside the graph into a static buffer; the sampler picks its rows from it.
+
+Steps with a prefill chunk longer than q run eagerly. Graphs share one memory pool and are captured largest first;
+their outputs are copied into buffers allocated before capture, so no graph's output lives in pool memory another
+graph reuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dspark.models.llama import CausalLM
+from dspark.worker.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache
+
+
+def capture_sizes(max_tokens: int) -> list[int]:
+    """Padded token counts: fine steps where a step is cheap, coarser ones where padding is a small fraction."""
+    sizes = [1, 2, 4, 8, *range(16, 256, 16), *range(256, 1024, 64), *range(1024, 4097, 256)]
+    return [s for s in sizes if s < max_tokens] + [max_tokens]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    num_tokens: int
+    num_reqs: int
+
+
+class GraphRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        caches: list[KVCache],
+        backend_factory: Callable[[], AttentionBackend],
+        max_num_seqs: int,
+        max_tokens: int,
+        query_lens: tuple[int, ...],  # the promised longest queries graphs are captured for (1, and K + 1 with spec)
+        max_model_len: int,
+        block_size: int,
+        tap_layers: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
+        self.model, self.caches, self.device = model, caches, device
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.tap_layers = tap_layers
+        self.query_lens = tuple(sorted(set(query_lens)))
+        # A graph for query length q holds at most max_num_seqs * q tokens: no step needs more.
+        self.sizes = {q: capture_sizes(min(max_tokens, max_num_seqs * q)) for q in self.query_lens}
+        max_t = max(s[-1] for s in self.sizes.values())
+        max_r = min(max_t, max_num_seqs)
+        self.max_blocks = -(-max_model_len // block_size)
+        cfg = model.config
+        pin = {"pin_memory": True}
+        # Host staging (pinned) and device buffers, one per input; filled every replay, never reallocated.
+        self.h_ids = torch.zeros(max_t, dtype=torch.int64, **pin)
+        self.h_pos = torch.zeros(max_t, dtype=torch.int64, **pin)
+        self.h_slots = torch.full((max_t,), -1, dtype=torch.int64, **pin)
+        self.h_qsl = torch.zeros(max_r + 1, dtype=torch.int32, **pin)
+        self.h_lens = torch.zeros(max_r, dtype=torch.int32, **pin)
+        self.h_tables = torch.zeros(max_r, self.max_blocks, dtype=torch.int32, **pin)
+        self.ids = torch.zeros(max_t, dtype=torch.int64, device=device)
+        self.pos = torch.zeros(max_t, dtype=torch.int64, device=device)
+        self.slots = torch.full((max_t,), -1, dtype=torch.int64, device=device)
+        self.qsl = torch.zeros(max_r + 1, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(max_r, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(max_r, self.max_blocks, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(max_t, cfg.vocab_size, dtype=torch.float32, device=device)
+        n_taps = len(tap_layers)
+        self.taps = torch.zeros(max_t, n_taps * cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=device)
+        self.backend_factory = backend_factory
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.num_replays = 0
+
+    # ---- capture --------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for q in reversed(self.query_lens):
+                for t in reversed(self.sizes[q]):
+                    r = min(t, self.max_num_seqs)
+                    self._warmup_inputs(t, r, q)
+                    backend = self.backend_factory()
+                    self._forward(backend, t, r, q)  # warm-up: compiles kernels, creates handles
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._forward(backend, t, r, q)
+                    self.graphs[t, q] = _Graph(graph, t, r)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def _warmup_inputs(self, t: int, r: int, q: int) -> None:
+        """A valid batch of this shape that writes nothing: r requests of up to q tokens, all slots -1."""
+        per_req = np.minimum(np.maximum(t - np.arange(r) * q, 0), q)
+        qsl = np.concatenate([[0], np.cumsum(per_req)]).astype(np.int32)
+        self.qsl[: r + 1].copy_(torch.from_numpy(qsl))
+        self.lens[:r].copy_(torch.from_numpy(per_req.astype(np.int32)))
+        self.slots[:t].fill_(-1)
+        self.ids[:t].zero_()
+        self.pos[:t].zero_()
+        self.tables[:r].zero_()
+
+    def _forward(self, backend: AttentionBackend, t: int, r: int, q: int) -> None:
+        cfg = self.model.config
+        meta = AttentionMetadata(
+            num_actual_tokens=t,  # an upper bound; the Triton backend reads padding from slot -1 and query_start_loc
+            slot_mapping=self.slots[:t],
+            query_start_loc=self.qsl[: r + 1],
+            seq_lens=self.lens[:r],
+            block_tables=self.tables[:r],
+            query_start_loc_cpu=[],
+            seq_lens_cpu=[],
+            max_query_len=q,
+            max_seq_len=self.max_model_len,
+        )
+        backend.prepare(meta, cfg.num_kv_heads, cfg.num_heads, self.block_size)
+        ctx = AttentionContext(backend, meta, self.caches)
+        hidden, taps = self.model.forward_with_taps(self.ids[:t], self.pos[:t], ctx, self.tap_layers)
+        self.logits[:t].copy_(self.model.compute_logits(hidden))
+        if taps is not None:
+            self.taps[:t].copy_(taps)
+
+    # ---- replay ---------------------------------------------------------------------------------------------------
+
+    def pick(self, num_tokens: int, num_reqs: int, max_query_len: int) -> tuple[int, int] | None:
+        """The key of the smallest graph this step fits, or None (run eagerly)."""
+        q = next((q for q in self.query_lens if q >= max_query_len), None)
+        if q is None or num_reqs > self.max_num_seqs:
+            return None
+        t = next((t for t in self.sizes[q] if t >= num_tokens), None)
+        return None if t is None else (t, q)
+
+    def replay(
+        self,
+        key: tuple[int, int],
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        query_start: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the step; (logits [n, vocab] fp32, taps [n, ...] or None), views of static buffers valid until the
+        next replay."""
+        g = self.graphs[key]
+        n, r = len(input_ids), len(seq_lens)
+        t, rr = g.num_tokens, g.num_reqs
+        # NOTE: the staging buffers are rewritten only after the previous step's outputs were waited for (the runner
+        # downloads every step's tokens), so the previous step's copies out of them have completed.
+        self.h_ids.numpy()[:n] = input_ids
+        self.h_ids.numpy()[n:t] = 0
+        self.h_pos.numpy()[:n] = positions
+        self.h_pos.numpy()[n:t] = 0
+        self.h_slots.numpy()[:n] = slots
+        self.h_slots.numpy()[n:t] = -1
+        self.h_qsl.numpy()[: r + 1] = query_start
+        self.h_qsl.numpy()[r + 1 : rr + 1] = n
+        self.h_lens.numpy()[:r] = seq_lens
+        self.h_lens.numpy()[r:rr] = 0
+        width = max(len(b) for b in tables)
+        h_tables = self.h_tables.numpy()
+        for i, b in enumerate(tables):
+            h_tables[i, : len(b)] = b
+        self.ids[:t].copy_(self.h_ids[:t], non_blocking=True)
+        self.pos[:t].copy_(self.h_pos[:t], non_blocking=True)
+        self.slots[:t].copy_(self.h_slots[:t], non_blocking=True)
+        self.qsl[: rr + 1].copy_(self.h_qsl[: rr + 1], non_blocking=True)
+        self.lens[:rr].copy_(self.h_lens[:rr], non_blocking=True)
+        # Only the first `width` columns of the real rows are ever read (keys past seq_len are not).
+        self.tables[:r, :width].copy_(self.h_tables[:r, :width], non_blocking=True)
+        g.graph.replay()
+        self.num_replays += 1
+        return self.logits[:n], (self.taps[:n] if self.tap_layers else None)
