@@ -227,6 +227,8 @@ def _counters(engine: LLMEngine) -> dict[str, float]:
     planner = engine.planner
     counters["verify_budget_sum"] = planner.sum_budget if planner is not None else 0
     counters["num_planned_steps"] = planner.num_planned_steps if planner is not None else 0
+    counters["plan_ms"] = planner.plan_ms_total if planner is not None else 0.0
+    counters["num_steps"] = metrics.get("num_steps", 0)
     return counters
 
 
@@ -444,6 +446,9 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
                 d["verify_budget_sum"] / d["num_planned_steps"] if arm.adaptive and d["num_planned_steps"] else None
             ),
             "num_steps_without_drafting": d["spec_decode_num_steps_without_drafting"] if arm.adaptive else None,
+            "num_steps": d.get("num_steps"),
+            # The budget choice and the allocation (kernel and copy), as a share of the row's wall time.
+            "plan_time_fraction": d["plan_ms"] / (r.elapsed_s * 1e3) if arm.adaptive else None,
             # Greedy decoding must not change a token: "n/N" of this row's outputs equal no-spec's (temperature 0).
             "identical_to_no_spec": None,
         }

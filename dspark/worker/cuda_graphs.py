@@ -32,8 +32,12 @@ from dspark.worker.attention.base import AttentionBackend, AttentionContext, Att
 
 
 def capture_sizes(max_tokens: int) -> list[int]:
-    """Padded token counts: fine steps where a step is cheap, coarser ones where padding is a small fraction."""
-    sizes = [1, 2, 4, 8, *range(16, 256, 16), *range(256, 1024, 64), *range(1024, 4097, 256)]
+    """Padded token counts: fine where a step is cheap, then about 8 sizes per doubling (at most ~25% padding), so an
+    engine captures a few dozen graphs per query length, not hundreds."""
+    sizes = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+    while sizes[-1] < 8192:
+        step = sizes[-1] // 4
+        sizes += [sizes[-1] + step * i for i in range(1, 5)]
     return [s for s in sizes if s < max_tokens] + [max_tokens]
 
 

@@ -42,7 +42,7 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-GRAPH_MAX_TOKENS = 4096  # steps past this run eagerly: their kernels are long enough that launches no longer matter
+GRAPH_MAX_TOKENS = 8192  # steps past this run eagerly: their kernels are long enough that launches no longer matter
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
