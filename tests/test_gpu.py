@@ -129,12 +129,21 @@ def test_cuda_sampling_draws_what_a_one_row_draw_gives() -> None:
     assert got == want
 
 
-def test_cuda_graphs_give_the_eager_tokens() -> None:
-    """fp32 greedy: the captured decode and verification steps emit what the eager steps emit, and they were used."""
+def test_cuda_graphs_give_the_eager_tokens(tmp_path: Path) -> None:
+    """fp32 greedy: the captured decode, verification and drafting passes emit what the eager ones emit, and they
+    were used."""
     kw = {"device": "cuda", "dtype": "float32", "max_model_len": 1024, "num_kv_blocks": 4096, "max_num_seqs": 32}
     prompts = [f"Count from {i} to {i + 20}, one number per line." for i in range(12)]
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "enable_adaptive_verification": False}):
+    base = LLM(**kw, enforce_eager=True)
+    cfg = DSparkConfig.for_target(base.engine.model_config, num_layers=1, block_size=7, markov_rank=16)
+    drafter = str(save_drafter(random_drafter(cfg, seed=0), tmp_path / "drafter"))
+    fixed = {"enable_adaptive_verification": False}
+    for spec in (
+        None,
+        {"method": "ngram", "num_speculative_tokens": 4, **fixed},
+        {"method": "dspark", "model": drafter, **fixed},
+    ):
         eager = LLM(**kw, enforce_eager=True, speculative_config=spec)
         assert eager.engine.runner.graphs is None
         want = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy)]
@@ -143,6 +152,8 @@ def test_cuda_graphs_give_the_eager_tokens() -> None:
         assert runner is not None and runner.graphs
         got = [o.outputs[0].token_ids for o in graphs.generate(prompts, greedy)]
         assert runner.num_replays > 0
+        if spec is not None and spec["method"] == "dspark":
+            assert graphs.engine.runner.drafter.graphs.num_replays > 0
         assert got == want, spec
 
 

@@ -103,6 +103,9 @@ class ModelRunner:
                 device,
             )
             self.graphs.capture()
+            capture_drafter = getattr(drafter, "capture_graphs", None)
+            if capture_drafter is not None and getattr(drafter, "backend", self.backend).name == "triton":
+                capture_drafter(config.max_num_seqs, max_model_len or cfg.max_position_embeddings)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

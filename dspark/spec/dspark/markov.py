@@ -58,19 +58,39 @@ def sample_block(
     rows: list[DraftRow],
     sample: bool,  # False: every draft is the argmax (no distribution is returned)
 ) -> BlockDrafts:
-    num_reqs, k = len(rows), base_logits.shape[1]
+    temps, greedy, u_all = draw_inputs(rows, base_logits.shape[1], sample, h.device)
+    return sample_block_with(base_logits, h, anchors, head, confidence, temps, greedy, u_all)
+
+
+def draw_inputs(
+    rows: list[DraftRow], k: int, sample: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per request: the temperature ([R] fp32; 1 for greedy rows), whether it is greedy ([R] bool) and, when
+    sampling, every uniform of its block ([R, k] fp64), uploaded without a host sync."""
+    temps = upload([1.0 if r.greedy else r.temperature for r in rows], torch.float32, device)
+    greedy = upload([r.greedy for r in rows], torch.bool, device)
+    u_all = None
+    if sample:
+        u = [[uniform(r.seed, r.first_counter + j, DRAFT_STREAM) for j in range(k)] for r in rows]
+        u_all = upload_tensor(torch.tensor(u, dtype=torch.float64), device)
+    return temps, greedy, u_all
+
+
+def sample_block_with(
+    base_logits: torch.Tensor,  # [R_pad, k, vocab] fp32
+    h: torch.Tensor,  # [R_pad, k, hidden]
+    anchors: torch.Tensor,  # [R_pad] int64
+    head: MarkovHead | None,
+    confidence: ConfidenceHead | None,
+    temps: torch.Tensor,  # [R] fp32: the first R rows are requests, the rest padding
+    greedy: torch.Tensor,  # [R] bool
+    u_all: torch.Tensor | None,  # [R, k] fp64; None: every draft is the argmax
+) -> BlockDrafts:
+    """sample_block on device inputs only: no host value is read, so a CUDA graph can capture it."""
+    num_reqs, k = temps.shape[0], base_logits.shape[1]
+    sample = u_all is not None
     prev = anchors
     tokens, probs, conf = [], [], []
-    temps = upload([1.0 if r.greedy else r.temperature for r in rows], torch.float32, h.device)
-    greedy = upload([r.greedy for r in rows], torch.bool, h.device)
-    if sample:  # every draw of the block at once, before the loop: [R, k]
-        u_all = upload_tensor(
-            torch.tensor(
-                [[uniform(r.seed, r.first_counter + j, DRAFT_STREAM) for j in range(k)] for r in rows],
-                dtype=torch.float64,
-            ),
-            h.device,
-        )
     for j in range(k):
         if head is not None:
             e, correction = head(prev)
@@ -80,7 +100,7 @@ def sample_block(
         if confidence is not None:
             conf.append(confidence.logit(h[:, j], e)[:num_reqs])
         top = torch.argmax(logits[:num_reqs], dim=-1)
-        if sample:
+        if u_all is not None:
             q = torch.softmax(logits[:num_reqs] / temps[:, None], dim=-1)
             # NOTE: torch.where, not q[greedy] = ...: boolean indexing waits for the device to count the mask.
             q = torch.where(greedy[:, None], torch.nn.functional.one_hot(top, q.shape[-1]).to(q.dtype), q)

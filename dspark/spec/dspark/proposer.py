@@ -9,18 +9,23 @@ make room for.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dspark.config import GREEDY_BELOW
 from dspark.engine.request import Request
 from dspark.models.llama import CausalLM
 from dspark.spec.drafter import Proposal
-from dspark.spec.dspark.markov import DraftRow, sample_block
+from dspark.spec.dspark.markov import DraftRow, draw_inputs, sample_block_with
 from dspark.spec.dspark.model import DSparkModel
 from dspark.worker.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache, slots_for
 from dspark.worker.attention.torch_ref import TorchAttention
 from dspark.worker.numerics import padded_rows
 from dspark.worker.transfer import download, upload, upload_tensor
+
+if TYPE_CHECKING:
+    from dspark.spec.dspark.draft_graphs import DraftGraphs
 
 
 class DSparkDrafter:
@@ -57,6 +62,7 @@ class DSparkDrafter:
         self.inv_temperature = 1.0 / torch.tensor(temps[:num_tokens], dtype=torch.float32, device=device)
         biases = cfg.sts_biases or (0.0,) * cfg.block_size
         self.bias = torch.tensor(biases[:num_tokens], dtype=torch.float32, device=device)
+        self.graphs: DraftGraphs | None = None
 
     @torch.inference_mode()
     def extend_context(self, taps: torch.Tensor | None, positions: torch.Tensor, slots: torch.Tensor) -> None:
@@ -68,10 +74,17 @@ class DSparkDrafter:
         taps = torch.cat([taps, taps.new_zeros(pad, taps.shape[1])]) if pad else taps
         self.model.write_context(self.model.context_features(taps), positions, slots, self.caches)
 
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the drafting pass in CUDA graphs (worker/cuda_graphs.py explains why), for up to max_num_seqs."""
+        from dspark.spec.dspark.draft_graphs import DraftGraphs
+
+        self.graphs = DraftGraphs(self, max_num_seqs, max_model_len)
+        self.graphs.capture()
+
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> Proposal:
         cfg, bs, dev = self.model.config, self.block_size, self.device
-        K, k = cfg.block_size, self.max_num_tokens
+        K = cfg.block_size
         num_reqs = len(requests)
         anchors, positions, slots, seq_lens, tables, rows = [], [], [], [], [], []
         for req in requests:
@@ -84,6 +97,12 @@ class DSparkDrafter:
             tables.append(req.block_ids)
             p = req.sampling_params
             rows.append(DraftRow(req.seed, req.num_output_tokens, p.temperature, p.temperature < GREEDY_BELOW))
+        key = self.graphs.pick(num_reqs) if self.graphs is not None else None
+        if key is not None:
+            assert self.graphs is not None
+            tokens, probs, confidences = self.graphs.replay(key, anchors, positions, slots, seq_lens, tables, rows)
+            return Proposal(download(tokens)[0], probs, confidences)
+
         num_tokens = num_reqs * K
         pad = padded_rows(num_tokens) - num_tokens
         max_blocks = max(len(t) for t in tables)
@@ -101,28 +120,45 @@ class DSparkDrafter:
             max_seq_len=max(seq_lens),
             causal=False,
         )
-        self.backend.prepare(meta, cfg.num_kv_heads, cfg.num_heads, bs)
-
-        embed = self.target.model.embed_tokens
+        temps, greedy, u_all = draw_inputs(rows, self.max_num_tokens, self.sample, dev)
         anchor_ids = upload(anchors, torch.int64, dev)
-        x = self.model.mask_input(embed).expand(num_tokens + pad, -1).clone()
-        x[torch.arange(num_reqs, device=dev) * K] = embed(anchor_ids).to(x.dtype)
         pos = upload(positions + [0] * pad, torch.int64, dev)
-        h = self.model.backbone(x, pos, AttentionContext(self.backend, meta, self.caches))
+        tokens, probs, confidences = self.block(self.backend, meta, anchor_ids, pos, temps, greedy, u_all)
+        return Proposal(download(tokens)[0], probs, confidences)
+
+    def block(
+        self,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,  # non-causal, K query tokens per request
+        anchor_ids: torch.Tensor,  # [R]
+        pos: torch.Tensor,  # [R * K (+ padding)]
+        temps: torch.Tensor,  # [R]
+        greedy: torch.Tensor,  # [R]
+        u_all: torch.Tensor | None,  # [R, k]; None: argmax drafts
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The drafting pass on device inputs (eager, or captured by DraftGraphs): (tokens [R, k], the
+        distributions they were drawn from [R, k, vocab] or None, calibrated confidences [R, k] or None)."""
+        cfg = self.model.config
+        K, k = cfg.block_size, self.max_num_tokens
+        num_reqs = anchor_ids.shape[0]
+        backend.prepare(meta, cfg.num_kv_heads, cfg.num_heads, self.block_size)
+        embed = self.target.model.embed_tokens
+        x = self.model.mask_input(embed).expand(pos.shape[0], -1).clone()
+        x[torch.arange(num_reqs, device=pos.device) * K] = embed(anchor_ids).to(x.dtype)
+        h = self.model.backbone(x, pos, AttentionContext(backend, meta, self.caches))
 
         # Only the first k of the K slots are drafted; rows are padded for batch-invariant matmuls.
         r_pad = padded_rows(num_reqs)
-        h = h[:num_tokens].view(num_reqs, K, -1)[:, :k]
+        h = h[: num_reqs * K].view(num_reqs, K, -1)[:, :k]
         if r_pad > num_reqs:
             h = torch.cat([h, h.new_zeros(r_pad - num_reqs, k, h.shape[-1])])
             anchor_ids = torch.cat([anchor_ids, anchor_ids.new_zeros(r_pad - num_reqs)])
         base = self.target.compute_logits(h.reshape(r_pad * k, -1)).view(r_pad, k, -1)
-        drafts = sample_block(
-            base, h, anchor_ids, self.model.markov_head, self.model.confidence_head, rows, self.sample
-        )
+        model = self.model
+        drafts = sample_block_with(base, h, anchor_ids, model.markov_head, model.confidence_head, temps, greedy, u_all)
         confidences = None
         if drafts.confidence_logits is not None:
             # NOTE: not torch.sigmoid, whose vectorised loop gives an element different bits by where it sits.
             scaled = drafts.confidence_logits[:num_reqs] * self.inv_temperature + self.bias
             confidences = 1 / (1 + torch.exp(-scaled))
-        return Proposal(download(drafts.tokens)[0], drafts.probs, confidences)
+        return drafts.tokens[:num_reqs], drafts.probs, confidences
