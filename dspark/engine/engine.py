@@ -77,6 +77,8 @@ class LLMEngine:
         path = resolve_model(config.model)
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else path)
         self.model = load_model(path, self.dtype, self.device)
+        if self.device.type == "cuda":  # one GEMM for q/k/v and one for gate/up (the CUDA path's fused kernels)
+            self.model.fuse_weights()
         self.model_config = self.model.config
         mcfg = self.model_config
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
@@ -88,6 +90,9 @@ class LLMEngine:
             )
         self.spec = config.spec
         self.dspark_model = self._load_dspark() if self.spec is not None and self.spec.method == "dspark" else None
+        if self.dspark_model is not None and self.device.type == "cuda":
+            for layer in self.dspark_model.layers:
+                layer.fuse_weights()
         self.num_spec_tokens = self._num_spec_tokens()
         lookahead = self.dspark_model.config.block_size if self.dspark_model is not None else 0
         num_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()

@@ -2,13 +2,20 @@
 
 Parameter names match Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), so loading is a name mapping.
 The forward takes one flattened batch of tokens; attention goes through the context's backend and paged cache.
+
+Two paths. The torch code below is the reference and the CPU path (tests check it against transformers, bit for bit
+across batch sizes). For inference on CUDA with Triton, the norms, rotary and SiLU run as the fused kernels of
+models/fused_ops.py, each residual add happens inside the next norm (`decoder_stack`), and after `fuse_weights()`
+q/k/v and gate/up are one GEMM each: about ten kernels per layer instead of ~45.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from dspark.models import fused_ops
 from dspark.models.config import ModelConfig
 from dspark.worker.attention.base import AttentionContext
 
@@ -20,10 +27,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ops.enabled(x) and x.dim() in (2, 3):
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         # NOTE: normalise in fp32 and cast back before the weight, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused path: (self(x + residual), x + residual) in one kernel; x, residual: [num_tokens, dim]."""
+        return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -42,9 +55,34 @@ class Rotary(nn.Module):
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
+def _merge_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) stacking the output rows of `linears`, for one GEMM in place of several.
+
+    NOTE: the linears' parameters become views of the merged tensors, not copies: no memory is duplicated, and what
+    later writes the parameters in place (load_state_dict, an optimiser) writes the merged GEMM's weights too.
+    Moving the module (.to) gives the parameters their own storage again; fuse after moving, not before.
+    """
+    has_bias = {m.bias is not None for m in linears}
+    assert len(has_bias) == 1, "all or none of the merged projections must have a bias"
+    sizes = [m.out_features for m in linears]
+    # Outside inference mode: parameters made of inference tensors could not be updated in place later.
+    with torch.inference_mode(False), torch.no_grad():
+        weight = torch.cat([m.weight for m in linears])
+        for m, part in zip(linears, weight.split(sizes), strict=True):
+            m.weight.data = part
+        bias = None
+        if has_bias == {True}:
+            bias = torch.cat([m.bias for m in linears])
+            for m, part in zip(linears, bias.split(sizes), strict=True):
+                m.bias.data = part
+    return weight, bias
+
+
 def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """x: [num_tokens, heads, head_dim]."""
     cos, sin = rope
+    if fused_ops.enabled(x) and x.dim() == 3:
+        return fused_ops.rotary(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -66,9 +104,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.head_dim**-0.5
+        # Set by fuse_weights(): [(num_heads + 2 * num_kv_heads) * head_dim, hidden], q rows first, then k, then v.
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse_weights(self) -> None:
+        self.qkv_weight, self.qkv_bias = _merge_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
+        if fused_ops.enabled(x):
+            return self._forward_fused(x, rope, ctx)
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
@@ -78,6 +124,22 @@ class Attention(nn.Module):
         o = ctx.backend.forward(q, k, v, ctx.caches[self.layer_idx], ctx.meta, self.scale)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
+    def _forward_fused(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+    ) -> torch.Tensor:
+        n, nq, nkv = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_weight is not None:
+            # q, k and v stay strided views of the one GEMM's output: the backend reads rows by stride.
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k, v = k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim)
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+        fused_ops.rotary_qk(q, k, *rope, norm)  # in place
+        o = ctx.backend.forward(q, k, v, ctx.caches[self.layer_idx], ctx.meta, self.scale)
+        return self.o_proj(o.reshape(n, nq))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -85,8 +147,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # [2 * intermediate, hidden], gate rows first
+
+    def fuse_weights(self) -> None:
+        self.gate_up_weight = _merge_linears([self.gate_proj, self.up_proj])[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ops.enabled(x):
+            if self.gate_up_weight is not None:
+                return self.down_proj(fused_ops.silu_mul(F.linear(x, self.gate_up_weight)))
+            return self.down_proj(fused_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
         gate = self.gate_proj(x)
         # NOTE: not F.silu: with 5+ threads torch splits its vectorised loop mid-row and a row's bits then depend on
         # the batch size; exp and division stay element-wise exact (tests/worker/test_numerics.py).
@@ -101,9 +171,66 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def fuse_weights(self) -> None:
+        """Merge q/k/v and gate/up into one GEMM each on the fused path; explicit, as the engine does it for the models
+        it serves (the parameters become views of the merged weights: see _merge_linears)."""
+        self.self_attn.fuse_weights()
+        self.mlp.fuse_weights()
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        if fused_ops.enabled(x):
+            mlp_out, residual = self.forward_fused(self.input_layernorm(x), x, rope, ctx)
+            return residual + mlp_out
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]: input_layernorm of the layer's input
+        residual: torch.Tensor,  # [num_tokens, hidden]: the layer's input
+        rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused path: (MLP output, residual stream before it). Their sum is the layer's output; the caller adds it
+        inside the next norm (`RMSNorm.forward_add`)."""
+        h, residual = self.post_attention_layernorm.forward_add(self.self_attn(h, rope, ctx), residual)
+        return self.mlp(h), residual
+
+
+def decoder_stack(
+    layers: nn.ModuleList,
+    norm: RMSNorm,
+    x: torch.Tensor,  # [num_tokens, hidden]: the embedded input
+    rope: tuple[torch.Tensor, torch.Tensor],
+    ctx: AttentionContext,
+    tap_layers: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, list[torch.Tensor]]:  # norm(last layer's output), raw outputs of layers tap_layers
+    """`layers` then `norm`, with the residual adds fused into the norms on the fused path. Any stack of DecoderLayers
+    can run through it (a drafter's backbone too)."""
+    if not fused_ops.enabled(x):
+        taps = []
+        for i, layer in enumerate(layers):
+            x = layer(x, rope, ctx)
+            if i in tap_layers:
+                taps.append(x)
+        return norm(x), taps
+    # Fused: layer i's output (residual + MLP output) first exists as the sum inside the next norm's kernel, which
+    # returns it: that is what a tap of layer i takes.
+    taps, residual, mlp_out = [], x, None
+    for i, layer in enumerate(layers):
+        if mlp_out is None:
+            h = layer.input_layernorm(residual)
+        else:
+            h, residual = layer.input_layernorm.forward_add(mlp_out, residual)
+            if i - 1 in tap_layers:
+                taps.append(residual)
+        mlp_out, residual = layer.forward_fused(h, residual, rope, ctx)
+    if mlp_out is None:
+        return norm(residual), taps
+    out, residual = norm.forward_add(mlp_out, residual)
+    if len(layers) - 1 in tap_layers:
+        taps.append(residual)
+    return out, taps
 
 
 class DecoderModel(nn.Module):
@@ -126,6 +253,12 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def fuse_weights(self) -> CausalLM:
+        """One GEMM for q/k/v and one for gate/up in every layer on the fused (CUDA) path; state_dict unchanged."""
+        for layer in self.model.layers:
+            layer.fuse_weights()
+        return self
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
@@ -143,13 +276,8 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [num_tokens, hidden], [num_tokens, len(tap_layers) * hidden]
         """Also return the raw outputs of decoder layers `tap_layers` (0-based), concatenated: a drafter's context."""
         x = self.model.embed_tokens(input_ids)
-        rope = self.rotary(positions)
-        taps = []
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, ctx)
-            if i in tap_layers:
-                taps.append(x)
-        return self.model.norm(x), torch.cat(taps, dim=-1) if taps else None
+        hidden, taps = decoder_stack(self.model.layers, self.model.norm, x, self.rotary(positions), ctx, tap_layers)
+        return hidden, torch.cat(taps, dim=-1) if taps else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         return self.lm_head(hidden).float()
