@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU path on the H200s (issue 6), in runs of at most 10 minutes (../shared/device/README.md):
-#   PHASE=check : GPU 0 runs the GPU tests (Triton attention, CUDA graphs, no host sync, sampling); GPU 1 times the
-#                 attention kernel against the copy roofline, profiles the step-cost curves (plot), and compares
-#                 graphs with eager at a few concurrencies (no-spec, T = 0).
+#   PHASE=check : GPU 0 runs the GPU tests (CUDA graphs, no host sync, fused kernels, sampling); GPU 1 runs a small
+#                 sweep (no-spec, fixed-7, adaptive at C = 1, 64, 256, T = 0).
+#   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
 #   PHASE=sweep : the full sweep, one temperature per GPU (T = 0 on GPU 0, T = 1 on the last), with the hf arm.
 # Everything lands in $OUT. Usage there: source .device/setup.sh && PHASE=check bash benchmarks/gpu/run_h200.sh
 set -uo pipefail
@@ -19,24 +19,22 @@ quiet() { tr '\r' '\n' | grep -v "it/s\|s/it" ; }
 on() { CUDA_VISIBLE_DEVICES=$1 timeout "$2" "${@:3}"; }
 
 if [ "$PHASE" = check ]; then
-  (on 0 300 python -m pytest -q -m gpu -s tests/test_gpu.py tests/worker/test_triton_attention.py 2>&1 | quiet \
+  (on 0 170 python -m pytest -q -m gpu -s tests/test_gpu.py tests/models/test_fused_ops.py 2>&1 | quiet \
     > "$OUT/gpu-tests.log") &
-  (
-    on "$LAST" 120 python benchmarks/gpu/bench_attention.py --output "$OUT/attention.json" 2>&1 | quiet
-    on "$LAST" 150 python -m dspark profile --device cuda --speculative-config "$SPEC" \
-      --output-json "$OUT/h200-cost-dspark.json" --output-plot "$OUT/h200-cost-dspark.png" 2>&1 | quiet | tail -15
-    for mode in "" "--enforce-eager"; do
-      on "$LAST" 150 python -m dspark bench sweep --device cuda --arm no-spec --concurrency 1 64 256 --temperature 0 \
-        --output-len 128 --data-dir "$DATA" $mode --output-json "$OUT/graphs${mode:+-eager}.json" 2>&1 | quiet | tail -4
-    done
-  ) > "$OUT/check-last.log" 2>&1 &
+  (on "$LAST" 170 python -m dspark bench sweep --device cuda --speculative-config "$SPEC" --arm no-spec \
+      --arm fixed-7 --arm adaptive --concurrency 1 64 256 --temperature 0 --output-len 128 --data-dir "$DATA" \
+      --output-json "$OUT/check-sweep.json" 2>&1 | quiet | tail -12) > "$OUT/check-last.log" 2>&1 &
   wait
-  tail -30 "$OUT/gpu-tests.log"
+  grep -v "^\.*$" "$OUT/gpu-tests.log" | tail -40
   cat "$OUT/check-last.log"
+elif [ "$PHASE" = attention ]; then
+  on 0 120 python benchmarks/gpu/bench_attention.py --output "$OUT/attention.json" 2>&1 | quiet
+  on 0 150 python -m dspark profile --device cuda --speculative-config "$SPEC" \
+    --output-json "$OUT/h200-cost-dspark.json" --output-plot "$OUT/h200-cost-dspark.png" 2>&1 | quiet | tail -15
 elif [ "$PHASE" = sweep ]; then
   for i in 0 "$LAST"; do
     t=$([ "$i" = 0 ] && echo 0 || echo 1)
-    (on "$i" 570 python -m dspark bench sweep --device cuda --speculative-config "$SPEC" --concurrency $CONCS \
+    (on "$i" ${SWEEP_S:-555} python -m dspark bench sweep --device cuda --speculative-config "$SPEC" --concurrency $CONCS \
       --temperature "$t" --output-len 256 --max-num-batched-tokens 8192 --hf-concurrency 256 --data-dir "$DATA" \
       --output-json "$OUT/h200-sweep-t$t.json" --output-plot "$OUT/h200-sweep-t$t.png" \
       --output-md "$OUT/h200-sweep-t$t.md" ${SWEEP_ARGS:-} 2>&1 | quiet > "$OUT/sweep-t$t.log") &
