@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import os
 import random
 import statistics
@@ -147,9 +148,9 @@ def _interleave(files: list[Path]) -> list[str]:
     return [s[i] for i in range(max(len(s) for s in sources)) for s in sources if i < len(s)]
 
 
-def num_prompts_for(concurrency: int, num_prompts: int | None) -> int:
-    """Prompts of a row: the given number, else two waves of the concurrency and at least MIN_PROMPTS."""
-    return num_prompts if num_prompts is not None else max(2 * concurrency, MIN_PROMPTS)
+def num_prompts_for(concurrency: int, num_prompts: int | None, waves: int = 2) -> int:
+    """Prompts of a row: the given number, else `waves` waves of the concurrency and at least MIN_PROMPTS."""
+    return num_prompts if num_prompts is not None else max(waves * concurrency, MIN_PROMPTS)
 
 
 @dataclass
@@ -253,6 +254,7 @@ def run_sweep(
     hf: bool = False,
     hf_concurrencies: list[int] | None = None,
     command: str = "",
+    waves: int = 2,
 ) -> Sweep:
     """Every arm at every concurrency and temperature, and the hf arm (hf, or hf_concurrencies given) at its
     concurrencies. config.speculative_config is the method and drafter of the speculative arms (default: n-gram);
@@ -277,7 +279,8 @@ def run_sweep(
 
         require_continuous_batching()  # before any model is loaded
     prompts = sweep_prompts(dataset_paths or [], data_dir)
-    sizes = {c: num_prompts_for(c, num_prompts) for c in concs}
+    _check_positive("waves", waves)
+    sizes = {c: num_prompts_for(c, num_prompts, waves) for c in concs}
     base = dataclasses.replace(config, max_num_seqs=max(concs))
     spec = config.spec or SpeculativeConfig(method="ngram")
 
@@ -291,7 +294,10 @@ def run_sweep(
     def record(arm: str, c: int, t: float, label: str, outcome: tuple[Round, list[list[int]]]) -> None:
         round_, token_ids[arm, c, t] = outcome
         rounds.setdefault((arm, c, t), []).append(round_)
-        print(f"{label}: {round_.output_throughput:.1f} tok/s", file=sys.stderr)
+        # NOTE: the raw round on one line too, so a run cut short by a time limit still has every finished row.
+        raw = {"arm": arm, "concurrency": c, "temperature": t, "elapsed_s": round_.elapsed_s}
+        raw |= {"output_tokens": round_.num_output_tokens, "counters": round_.counters}
+        print(f"{label}: {round_.output_throughput:.1f} tok/s ROW {json.dumps(raw)}", file=sys.stderr)
 
     for r in range(repeats):
         for arm in arm_list:
@@ -622,7 +628,10 @@ def add_parser(
         default=list(TEMPERATURES),
         help="temperatures to run; 0 is greedy and checks that every arm's outputs equal no-spec's (default: 1 0)",
     )
-    g.add_argument("--num-prompts", metavar="N", type=int, help=f"prompts per row (default: max(2 x C, {MIN_PROMPTS}))")
+    g.add_argument("--num-prompts", metavar="N", type=int, help=f"prompts per row (default: max(W x C, {MIN_PROMPTS}))")
+    g.add_argument(
+        "--waves", metavar="W", type=int, default=2, help="without --num-prompts: W x C prompts per row (default: 2)"
+    )
     g.add_argument(
         "--output-len",
         metavar="L",
@@ -698,6 +707,7 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         hf=args.hf,
         hf_concurrencies=args.hf_concurrency,
         command=args.command_line,
+        waves=args.waves,
     )
     write_outputs(sweep.result, *paths)
     print(markdown_table(sweep.result))

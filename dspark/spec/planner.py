@@ -34,6 +34,7 @@ from dspark.train.calibrate import NUM_BINS
 from dspark.worker.transfer import download, upload, upload_tensor
 
 MIN_CONFIDENCE = 1e-4  # a held draft keeps a positive survival: 0 means "no draft here" to allocate
+PAYS_REUSE = 8  # steps a "does drafting pay" answer is reused for at the same number of requests
 
 
 @dataclass
@@ -156,6 +157,7 @@ class VerificationPlanner:
         self._shape: tuple[int, int] | None = None  # this step's (requests that sample, tokens), once planned
         self._verified_drafts = False
         self._step_start: float | torch.cuda.Event | None = None
+        self._pays_cache: dict[int, tuple[bool, int]] = {}  # num requests -> (answer, steps it may still be reused)
 
     @property
     def adaptive(self) -> bool:
@@ -234,8 +236,15 @@ class VerificationPlanner:
             return True
         assert self.cost is not None
         self._harvest()
-        stale = torch.stack([self._stale.get(rid, self._prior) for rid in request_ids])
-        pays = self.regime.choose(len(request_ids), drafting_pays(stale, len(request_ids), self.cost))
+        n = len(request_ids)
+        cached = self._pays_cache.get(n)
+        if cached is None or cached[1] <= 0:
+            # NOTE: the cost model's answer moves slowly (stale survivals, the load); recomputed every few steps at a
+            # load, it costs ~1% of a small step instead of ~30% (host tensor work on [R, K]).
+            stale = torch.stack([self._stale.get(rid, self._prior) for rid in request_ids])
+            cached = (drafting_pays(stale, n, self.cost), PAYS_REUSE)
+        self._pays_cache[n] = (cached[0], cached[1] - 1)
+        pays = self.regime.choose(n, cached[0])
         self.num_steps_without_drafting += not pays
         return pays
 

@@ -61,6 +61,8 @@ class GraphRunner:
         block_size: int,
         tap_layers: tuple[int, ...],
         device: torch.device,
+        # The drafter's context write, captured after the target's forward on every row (taps, positions, slots).
+        context_writer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
         self.model, self.caches, self.device = model, caches, device
         self.max_num_seqs = max_num_seqs
@@ -92,6 +94,7 @@ class GraphRunner:
         n_taps = len(tap_layers)
         self.taps = torch.zeros(max_t, n_taps * cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=device)
         self.backend_factory = backend_factory
+        self.context_writer = context_writer
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.num_replays = 0
 
@@ -146,6 +149,8 @@ class GraphRunner:
         self.logits[:t].copy_(self.model.compute_logits(hidden))
         if taps is not None:
             self.taps[:t].copy_(taps)
+            if self.context_writer is not None:
+                self.context_writer(taps, self.pos[:t], self.slots[:t])
 
     # ---- replay ---------------------------------------------------------------------------------------------------
 

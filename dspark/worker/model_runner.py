@@ -101,6 +101,7 @@ class ModelRunner:
                 config.block_size,
                 drafter.tap_layers if drafter is not None else (),
                 device,
+                getattr(drafter, "write_context_all", None),
             )
             self.graphs.capture()
             capture_drafter = getattr(drafter, "capture_graphs", None)
@@ -153,7 +154,8 @@ class ModelRunner:
             out = self._verify(sched, logits_of, query_start)
         else:
             out = self._sample(sched, logits_of, query_start)
-        if self.drafter is not None and self.drafter.tap_layers:
+        in_graph = key is not None and self.graphs is not None and self.graphs.context_writer is not None
+        if self.drafter is not None and self.drafter.tap_layers and not in_graph:
             # The drafter's context grows by what the target keeps: every plain token and the accepted drafts.
             keep = [
                 i

@@ -55,6 +55,8 @@ ROW_KEYS = {
     "spec_decode_accepted_tokens",
     "verify_budget_mean",
     "num_steps_without_drafting",
+    "num_steps",
+    "plan_time_fraction",
     "identical_to_no_spec",
 }
 
@@ -134,6 +136,7 @@ def test_rows(sweep: Sweep) -> None:
         if row["arm"] == "adaptive":
             assert row["num_steps_without_drafting"] >= 0
             assert row["verify_budget_mean"] is not None or row["spec_decode_num_drafts"] == 0
+            assert 0 <= row["plan_time_fraction"] < 1
         else:
             assert row["verify_budget_mean"] is None and row["num_steps_without_drafting"] is None
 

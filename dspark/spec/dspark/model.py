@@ -45,8 +45,9 @@ class DSparkModel(nn.Module):
         self,
         features: torch.Tensor,  # [rows >= n, hidden]: rows past n are padding
         positions: torch.Tensor,  # [n]
-        slots: torch.Tensor,  # [n] int64, all valid
+        slots: torch.Tensor,  # [n] int64, all valid (or -1 for padding rows with skip_padding)
         caches: list[KVCache],
+        skip_padding: bool = False,  # slots may be -1: write with the Triton kernel, which skips them (CUDA only)
     ) -> None:
         """Store the context keys and values of every draft layer: what later blocks attend to.
 
@@ -58,7 +59,12 @@ class DSparkModel(nn.Module):
             attn = layer.self_attn
             k = attn.k_norm(attn.k_proj(features)[:n].view(n, attn.num_kv_heads, attn.head_dim))
             v = attn.v_proj(features)[:n].view(n, attn.num_kv_heads, attn.head_dim)
-            write_kv(cache, apply_rotary(k, rope), v, slots)
+            if skip_padding:
+                from dspark.worker.attention.triton_kernels import write_kv as write_kv_skipping
+
+                write_kv_skipping(cache.key, cache.value, apply_rotary(k, rope).contiguous(), v.contiguous(), slots)
+            else:
+                write_kv(cache, apply_rotary(k, rope), v, slots)
 
     def mask_input(self, embed: nn.Embedding) -> torch.Tensor:
         """[hidden]: the input of a block's masked slots."""

@@ -74,6 +74,14 @@ class DSparkDrafter:
         taps = torch.cat([taps, taps.new_zeros(pad, taps.shape[1])]) if pad else taps
         self.model.write_context(self.model.context_features(taps), positions, slots, self.caches)
 
+    def write_context_all(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """extend_context for every row of a captured target step (padding rows have slot -1 and write nothing).
+
+        Rows of rejected drafts are written too: they sit at positions from the next anchor on, which the next block
+        overwrites with its own keys before anything reads them, and the target's extend overwrites after that (the
+        same reasoning as the target's own KV of rejected drafts)."""
+        self.model.write_context(self.model.context_features(taps), positions, slots, self.caches, skip_padding=True)
+
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the drafting pass in CUDA graphs (worker/cuda_graphs.py explains why), for up to max_num_seqs."""
         from dspark.spec.dspark.draft_graphs import DraftGraphs
