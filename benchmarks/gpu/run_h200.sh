@@ -28,6 +28,13 @@ if [ "$PHASE" = check ]; then
   wait
   grep -v "^\.*$" "$OUT/gpu-tests.log" | tail -40
   cat "$OUT/check-last.log"
+elif [ "$PHASE" = profile ]; then
+  (on 0 150 python -m pytest -q -m gpu -x tests/test_gpu.py -k "graphs or sync or sampling" \
+    tests/models/test_fused_ops.py 2>&1 | quiet | tail -25 > "$OUT/gpu-tests.log") &
+  (on "$LAST" 150 python benchmarks/gpu/step_profile.py --device cuda --concurrency 1 64 256 \
+    --output "$OUT/step-profile.json" > "$OUT/step-profile.log" 2>&1) &
+  wait
+  cat "$OUT/gpu-tests.log" "$OUT/step-profile.log" | grep -v "it/s\|s/it"
 elif [ "$PHASE" = attention ]; then
   on 0 120 python benchmarks/gpu/bench_attention.py --output "$OUT/attention.json" 2>&1 | quiet
   on 0 150 python -m dspark profile --device cuda --speculative-config "$SPEC" \

@@ -1,0 +1,95 @@
+"""Where a step's wall time goes: the engine's phases timed on the host, per configuration and concurrency.
+
+    python benchmarks/gpu/step_profile.py --device cuda --concurrency 1 256 --output step-profile.json
+
+Each configuration (no speculation, DSpark fixed k = 7, DSpark adaptive) gets one engine; C requests decode in
+steady state (ignore_eos, greedy) and N steps are timed with every phase wrapped. A phase's time includes what it
+waits for on the device (the step's one download wait sits in execute or propose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dspark import LLM, SamplingParams
+
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "no-spec": None,
+    "fixed-7": {"method": "dspark", "num_speculative_tokens": 7, "enable_adaptive_verification": False},
+    "adaptive": {"method": "dspark", "num_speculative_tokens": 7},
+}
+
+
+def wrap(obj: object, name: str, label: str, acc: collections.Counter[str]) -> None:
+    f: Callable[..., Any] = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = f(*args, **kwargs)
+        acc[label] += time.perf_counter() - start
+        return out
+
+    setattr(obj, name, timed)
+
+
+def profile(name: str, device: str, concurrency: int, steps: int) -> dict[str, Any]:
+    llm = LLM(device=device, max_num_seqs=max(concurrency, 16), max_model_len=2048, speculative_config=CONFIGS[name])
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps * 8 + 64, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(f"Question {i}: explain how a bicycle stays upright.", params)
+    for _ in range(12):  # prefill and the first decode steps
+        engine.step()
+    acc: collections.Counter[str] = collections.Counter()
+    wrap(engine.scheduler, "schedule", "schedule", acc)
+    wrap(engine.runner, "execute", "execute", acc)
+    wrap(engine.runner, "propose", "propose", acc)
+    wrap(engine, "_process", "process", acc)
+    if engine.planner is not None:
+        for fn in ("plan", "record", "should_draft", "observe", "step_started", "step_finished"):
+            wrap(engine.planner, fn, f"planner.{fn}", acc)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    generated = engine.get_metrics()["num_generation_tokens"]
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    tokens = engine.get_metrics()["num_generation_tokens"] - generated
+    phases = {k: v / steps * 1e3 for k, v in acc.most_common()}
+    phases["other"] = wall / steps * 1e3 - sum(phases.values())  # the rest of step(): bookkeeping, drafting's own
+    row = {"config": name, "concurrency": concurrency, "step_ms": wall / steps * 1e3, "tokens_per_s": tokens / wall}
+    return row | {"phases_ms": phases}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 256])
+    parser.add_argument("--config", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    rows = []
+    for name in args.config:
+        for c in args.concurrency:
+            row = profile(name, args.device, c, args.steps)
+            rows.append(row)
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
+            print(f"{name} C={c}: {row['step_ms']:.2f} ms/step, {row['tokens_per_s']:.0f} tok/s | {phases}", flush=True)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
