@@ -15,7 +15,7 @@ NG=$(nvidia-smi -L | wc -l)
 LAST=$((NG - 1))
 SPEC='{"method": "dspark"}'
 CONCS=${CONCS:-"1 16 32 64 128 256 512 1024"}
-[ "$PHASE" = final ] && CONCS=${FINAL_CONCS:-"1 16 64 256 1024"}
+[ "$PHASE" = final ] && CONCS=${FINAL_CONCS:-"1 16 256 1024"}
 quiet() { tr '\r' '\n' | grep -v "it/s\|s/it" ; }
 on() { CUDA_VISIBLE_DEVICES=$1 timeout "$2" "${@:3}"; }
 
@@ -40,23 +40,23 @@ elif [ "$PHASE" = attention ]; then
   on 0 150 python -m dspark profile --device cuda --speculative-config "$SPEC" \
     --output-json "$OUT/h200-cost-dspark.json" --output-plot "$OUT/h200-cost-dspark.png" 2>&1 | quiet | tail -15
 elif [ "$PHASE" = final ]; then
-  # What fits one 10-minute run: GPU 0 sweeps T = 0; the last GPU runs the key GPU tests, then sweeps T = 1. One
-  # wave of C prompts per row (--num-prompts-per-concurrency 1), five concurrencies, all six arms, hf at C = 256.
-  ARMS="--arm no-spec --arm adaptive --arm fixed-1 --arm fixed-3 --arm fixed-7 --arm fixed-5"
+  # What fits the session's last minutes of device time: GPU 0 sweeps T = 0 with the hf arm at C = 256; the last GPU
+  # profiles the step's phases, then sweeps T = 1. One wave of C prompts per row, four arms, four concurrencies.
+  ARMS="--arm no-spec --arm adaptive --arm fixed-7 --arm fixed-3"
   sweep() {
     on "$1" "$3" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" --concurrency $CONCS $ARMS \
-      --temperature "$2" --output-len 256 --waves 1 --max-num-batched-tokens 8192 --hf-concurrency 256 \
+      --temperature "$2" --output-len 256 --waves 1 --max-num-batched-tokens 8192 $4 \
       --data-dir "$DATA" --output-json "$OUT/h200-sweep-t$2.json" --output-plot "$OUT/h200-sweep-t$2.png" \
       --output-md "$OUT/h200-sweep-t$2.md" 2>&1 | quiet > "$OUT/sweep-t$2.log"
   }
-  (sweep 0 0 "${SWEEP_S:-470}") &
+  (sweep 0 0 "${SWEEP_S:-320}" "--hf-concurrency 256") &
   (
-    on "$LAST" 110 python -m pytest -q -m gpu -x tests/test_gpu.py -k "graphs or sync or sampling" \
-      tests/models/test_fused_ops.py 2>&1 | quiet | tail -15 > "$OUT/gpu-tests.log"
-    sweep "$LAST" 1 "$((${SWEEP_S:-470} - 115))"
+    on "$LAST" 70 python benchmarks/gpu/step_profile.py --device cuda --concurrency 1 256 --steps 30 \
+      --output "$OUT/step-profile.json" 2>&1 | quiet > "$OUT/step-profile.log"
+    sweep "$LAST" 1 "$((${SWEEP_S:-320} - 72))" ""
   ) &
   wait
-  cat "$OUT/gpu-tests.log"
+  cat "$OUT/step-profile.log"
   grep -h "tok/s ROW" "$OUT"/sweep-t*.log | sed 's/ ROW.*//'
   cat "$OUT"/h200-sweep-t*.md 2>/dev/null
 elif [ "$PHASE" = sweep ]; then

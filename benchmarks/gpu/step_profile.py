@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import time
 from collections.abc import Callable
@@ -40,7 +41,14 @@ def wrap(obj: object, name: str, label: str, acc: collections.Counter[str]) -> N
 
 
 def profile(name: str, device: str, concurrency: int, steps: int) -> dict[str, Any]:
-    llm = LLM(device=device, max_num_seqs=max(concurrency, 16), max_model_len=2048, speculative_config=CONFIGS[name])
+    # A fixed KV cache: engines built one after another in one process must not size it from memory still held.
+    llm = LLM(
+        device=device,
+        max_num_seqs=max(concurrency, 16),
+        max_model_len=2048,
+        num_kv_blocks=8192,
+        speculative_config=CONFIGS[name],
+    )
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps * 8 + 64, ignore_eos=True)
     for i in range(concurrency):
@@ -68,6 +76,10 @@ def profile(name: str, device: str, concurrency: int, steps: int) -> dict[str, A
     phases = {k: v / steps * 1e3 for k, v in acc.most_common()}
     phases["other"] = wall / steps * 1e3 - sum(phases.values())  # the rest of step(): bookkeeping, drafting's own
     row = {"config": name, "concurrency": concurrency, "step_ms": wall / steps * 1e3, "tokens_per_s": tokens / wall}
+    del llm, engine
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return row | {"phases_ms": phases}
 
 
