@@ -240,8 +240,13 @@ class LLMEngine:
             per_block += kv_bytes_per_block(self.dspark_model.config.layer_config, self.config.block_size, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations and logits of the largest step.
-            reserve = 2 * self.config.max_num_batched_tokens * self.model_config.vocab_size * 4 + (1 << 30)
+            # Leave room for the largest step's vocabulary-sized tensors: the captured logits and their graph's
+            # scratch, the sampler's processed copies and verification's fp64 CDF (about 8 fp32 copies per row; at 2
+            # copies, a verify step of 8192 tokens ran out of memory on an H200), the drafter's distributions
+            # (static and returned copies), and CUDA-graph pools.
+            vocab_row = self.model_config.vocab_size * 4
+            drafts = self.config.max_num_seqs * self.num_spec_tokens
+            reserve = 8 * self.config.max_num_batched_tokens * vocab_row + 2 * drafts * vocab_row + (2 << 30)
             budget = total * self.config.gpu_memory_utilization - (total - free) - reserve
         else:
             budget = self.config.kv_cache_memory_gb * (1 << 30)
