@@ -488,12 +488,13 @@ class LLMEngine:
         visible = len(tracked.text) if finished else max(0, len(tracked.text) - req.sampling_params.stop_text_margin)
         visible = max(visible, tracked.num_sent_chars)
         new_text = tracked.text[tracked.num_sent_chars : visible]
-        new_ids = req.output_token_ids[tracked.num_sent_tokens :]
-        tracked.num_sent_chars, tracked.num_sent_tokens = visible, req.num_output_tokens
+        output_ids = req.output_token_ids  # one copy of the list per step and request (it grows; callers keep it)
+        new_ids = output_ids[tracked.num_sent_tokens :]
+        tracked.num_sent_chars, tracked.num_sent_tokens = visible, len(output_ids)
         completion = CompletionOutput(
             index=0,
             text=tracked.text,
-            token_ids=req.output_token_ids,
+            token_ids=output_ids,
             cumulative_logprob=req.cumulative_logprob if req.sampling_params.logprobs is not None else None,
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
             finish_reason=req.finish_reason,
