@@ -16,6 +16,7 @@ from dspark.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+OUTPUT_KINDS = ("cumulative", "final_only")
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this mean argmax (engine-wide)
 MAX_SPECULATIVE_TOKENS = 32
@@ -61,6 +62,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     max_speculative_tokens: int | None = None  # cap on this request's drafts per step; 0 opts out; None: the engine's
+    # vLLM's RequestOutputKind: "cumulative" (an output every step it produced tokens, for streaming) or
+    # "final_only" (one output, when it finishes: what offline generate() needs, and the host builds no per-step
+    # outputs, which at high load cost more than the GPU step)
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         _check_float("temperature", self.temperature, 0.0, 1e6)
@@ -79,6 +84,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.max_speculative_tokens is not None:
             _check_int("max_speculative_tokens", self.max_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS)
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ConfigError("output_kind", self.output_kind, f"one of {', '.join(OUTPUT_KINDS)}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +65,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ConfigError("sampling_params", f"<{len(params)} items>", f"one per prompt ({len(prompts)})")
+        # Only final outputs are read here: the engine builds no per-step ones.
+        params = [dataclasses.replace(sp, output_kind="final_only") for sp in params]
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, params, strict=True):

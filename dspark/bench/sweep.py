@@ -317,7 +317,7 @@ def run_sweep(
                 engine.add_request(set_ids[0], p)
             drain(engine)
             for t in temps:
-                params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True)
+                params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, output_kind="final_only")
                 for c in concs:
                     label = f"{arm.name} C={c} T={t} r{r + 1}"
                     record(arm.name, c, t, label, run_row(engine, _row_ids(set_ids, sizes[c]), params, c, label))

@@ -115,7 +115,7 @@ def tokenize(llm: LLM, prompts: list[str], chat: bool) -> list[list[int]]:
 
 def run_dspark(engine: LLMEngine, prompt_ids: list[list[int]], output_len: int) -> ArmResult:
     """All prompts at once; the scheduler keeps at most max_num_seqs of them in flight."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind="final_only")
     warm = engine.tokenizer.encode(WARMUP_TEXT)
     engine.add_request(warm, dataclasses.replace(params, max_tokens=WARMUP_TOKENS))
     drain(engine)
@@ -139,7 +139,7 @@ def drain(engine: LLMEngine, bar: tqdm | None = None) -> dict[str, RequestOutput
             if out.finished:
                 final[out.request_id] = out
         if bar is not None:
-            bar.update(len(outs))
+            bar.update(sum(len(out.new_token_ids) for out in outs))
     return final
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from dspark import LLM, ConfigError, SamplingParams
+from dspark.outputs import RequestOutput
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +152,43 @@ def test_bad_request_in_a_batch_adds_nothing(llm: LLM) -> None:
 def test_huge_numbers_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="temperature"):
         SamplingParams(temperature=10**400)
+
+
+def test_final_only_outputs_once_with_the_cumulative_result(llm: LLM) -> None:
+    """output_kind="final_only" (vLLM's FINAL_ONLY): no per-step outputs, and the one final output is exactly what
+    the per-step ("cumulative") outputs end with."""
+    engine = llm.engine
+    results = {}
+    for kind in ("cumulative", "final_only"):
+        params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, output_kind=kind)
+        rids = [engine.add_request(p, params) for p in (PROMPT, PROMPT[:10])]
+        seen: list[RequestOutput] = []
+        while engine.has_unfinished_requests():
+            seen += engine.step()
+        results[kind] = {o.request_id: o for o in seen if o.finished}
+        if kind == "final_only":
+            assert len(seen) == 2 and all(o.finished for o in seen)
+            assert all(o.new_token_ids == o.outputs[0].token_ids and o.new_text == o.outputs[0].text for o in seen)
+        else:
+            assert len(seen) > 2
+        results[kind] = [(results[kind][r].outputs[0].text, results[kind][r].outputs[0].token_ids) for r in rids]
+    assert results["final_only"] == results["cumulative"]
+    with pytest.raises(ConfigError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+
+
+def test_a_dropped_engine_is_collected_when_the_next_is_built(tiny_model_dirs: dict[str, Path]) -> None:
+    """Engines freeze the GC heap after start-up; a frozen reference cycle is never collected, so building the next
+    engine thaws and collects first: a dropped engine (a cycle through itself here) does not outlive that."""
+    import gc
+    import weakref
+
+    first = LLM(model=str(tiny_model_dirs["llama"]), max_model_len=128, num_kv_blocks=16)
+    first.engine.cycle = first.engine  # type: ignore[attr-defined]
+    model = weakref.ref(first.engine.model)
+    assert gc.get_freeze_count() > 0
+    del first
+    gc.collect()  # a frozen cycle survives this
+    assert model() is not None
+    LLM(model=str(tiny_model_dirs["llama"]), max_model_len=128, num_kv_blocks=16)
+    assert model() is None
