@@ -322,6 +322,7 @@ def run_sweep(
                     label = f"{arm.name} C={c} T={t} r{r + 1}"
                     record(arm.name, c, t, label, run_row(engine, _row_ids(set_ids, sizes[c]), params, c, label))
             del llm, engine
+            gc.unfreeze()  # NOTE: the engine froze the GC heap (engine.py); a frozen cycle is never collected
             gc.collect()  # NOTE: the next arm's engine sizes its KV cache from the memory this one frees
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()

@@ -326,7 +326,8 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that produced a token or finished."""
+        """Run one batch; return an output for every request that produced a token or finished (for output_kind
+        "final_only", only for those that finished)."""
         sched = self.scheduler.schedule()
         for rid in sched.preempted:  # their drafts were dropped; so go the distributions they were drawn from
             self.runner.release(rid, finished=False)

@@ -97,6 +97,7 @@ class GraphRunner:
         self.context_writer = context_writer
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.num_replays = 0
+        self._copied: torch.cuda.Event | None = None
 
     # ---- capture --------------------------------------------------------------------------------------------------
 
@@ -148,9 +149,10 @@ class GraphRunner:
         hidden, taps = self.model.forward_with_taps(self.ids[:t], self.pos[:t], ctx, self.tap_layers)
         self.logits[:t].copy_(self.model.compute_logits(hidden))
         if taps is not None:
-            self.taps[:t].copy_(taps)
-            if self.context_writer is not None:
+            if self.context_writer is not None:  # the taps are consumed here; nothing reads them after the replay
                 self.context_writer(taps, self.pos[:t], self.slots[:t])
+            else:
+                self.taps[:t].copy_(taps)
 
     # ---- replay ---------------------------------------------------------------------------------------------------
 
@@ -172,13 +174,13 @@ class GraphRunner:
         seq_lens: list[int],
         tables: list[list[int]],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the step; (logits [n, vocab] fp32, taps [n, ...] or None), views of static buffers valid until the
-        next replay."""
+        """Run the step; (logits [n, vocab] fp32, taps [n, ...] or None: none when the drafter's context was
+        written in the graph), views of static buffers valid until the next replay."""
         g = self.graphs[key]
+        if self._copied is not None:  # the previous replay's copies out of the staging buffers have run
+            self._copied.synchronize()
         n, r = len(input_ids), len(seq_lens)
         t, rr = g.num_tokens, g.num_reqs
-        # NOTE: the staging buffers are rewritten only after the previous step's outputs were waited for (the runner
-        # downloads every step's tokens), so the previous step's copies out of them have completed.
         self.h_ids.numpy()[:n] = input_ids
         self.h_ids.numpy()[n:t] = 0
         self.h_pos.numpy()[:n] = positions
@@ -189,10 +191,12 @@ class GraphRunner:
         self.h_qsl.numpy()[r + 1 : rr + 1] = n
         self.h_lens.numpy()[:r] = seq_lens
         self.h_lens.numpy()[r:rr] = 0
-        width = max(len(b) for b in tables)
         h_tables = self.h_tables.numpy()
-        for i, b in enumerate(tables):
-            h_tables[i, : len(b)] = b
+        # Only the blocks a request's keys occupy are read; its table may hold more (lookahead slots for drafts).
+        widths = [-(-length // self.block_size) for length in seq_lens]
+        for i, (b, w) in enumerate(zip(tables, widths, strict=True)):
+            h_tables[i, :w] = b[:w]
+        width = max(widths)
         self.ids[:t].copy_(self.h_ids[:t], non_blocking=True)
         self.pos[:t].copy_(self.h_pos[:t], non_blocking=True)
         self.slots[:t].copy_(self.h_slots[:t], non_blocking=True)
@@ -200,6 +204,12 @@ class GraphRunner:
         self.lens[:rr].copy_(self.h_lens[:rr], non_blocking=True)
         # Only the first `width` columns of the real rows are ever read (keys past seq_len are not).
         self.tables[:r, :width].copy_(self.h_tables[:r, :width], non_blocking=True)
+        # NOTE: the next replay rewrites the pinned staging buffers only after these copies ran (a step without
+        # sampling downloads nothing, so the runner's own wait does not cover it); usually long done by then.
+        self._copied = torch.cuda.Event()
+        self._copied.record()
         g.graph.replay()
         self.num_replays += 1
-        return self.logits[:n], (self.taps[:n] if self.tap_layers else None)
+        # With a context writer the taps were consumed inside the graph and the buffer is not filled.
+        taps = self.taps[:n] if self.tap_layers and self.context_writer is None else None
+        return self.logits[:n], taps

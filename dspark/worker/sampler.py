@@ -167,6 +167,10 @@ def inverse_cdf(p: torch.Tensor, u: float) -> int:
 
 def inverse_cdf_rows(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """inverse_cdf for every row at once: p [n, vocab] (unnormalised allowed), u [n] fp64 in [0, 1) -> [n] int64."""
+    if p.shape[0] == 1 and p.device.type != "cpu":
+        # NOTE: CUDA scans a lone row with another kernel (another summation order) than it scans rows of a batch;
+        # padded to two rows, a one-row draw gives the bits the same row gets in any batch.
+        return inverse_cdf_rows(torch.cat([p, torch.zeros_like(p)]), torch.cat([u, u]))[:1]
     cdf = torch.cumsum(p.double(), dim=-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     idx = idx.clamp_(max=p.shape[-1] - 1)

@@ -53,6 +53,7 @@ class DraftGraphs:
         self.conf = torch.zeros(max_r, self.k, device=dev) if drafter.model.confidence_head is not None else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
+        self._copied: torch.cuda.Event | None = None
 
     def _views(self, r: int) -> tuple[torch.Tensor, ...]:
         n = self.n
@@ -118,6 +119,8 @@ class DraftGraphs:
     ) -> None:
         r, K, n = len(anchors), self.K, self.n
         rr = padded or r
+        if self._copied is not None:  # the previous pass's copies out of the staging buffers have run
+            self._copied.synchronize()
         h_int, h_meta, h_draw = self.h_int.numpy(), self.h_meta.numpy(), self.h_draw.numpy()
         h_int[: r * K], h_int[r * K : rr * K] = positions, 0
         h_int[n : n + r * K], h_int[n + r * K : n + rr * K] = slots, -1
@@ -126,8 +129,9 @@ class DraftGraphs:
         off = self.sizes[-1] + 1
         h_meta[off : off + r], h_meta[off + r : off + rr] = seq_lens, 0
         h_tables = self.h_tables.numpy()
-        for i, b in enumerate(tables):
-            h_tables[i, : len(b)] = b
+        widths = [-(-s // self.drafter.block_size) for s in seq_lens]
+        for i, (b, w) in enumerate(zip(tables, widths, strict=True)):
+            h_tables[i, :w] = b[:w]
         h_draw[:rr] = 0.0
         h_draw[:rr, 1] = 1.0  # padding rows draw greedily (and are dropped)
         if rows is not None:
@@ -137,12 +141,13 @@ class DraftGraphs:
                 h_draw[:r, 2:] = [
                     [uniform(row.seed, row.first_counter + j, DRAFT_STREAM) for j in range(self.k)] for row in rows
                 ]
-        width = max(len(b) for b in tables)
-        # NOTE: rewritten only after the previous pass's outputs were downloaded, so its copies have completed.
+        width = max(widths)
         self.d_int.copy_(self.h_int, non_blocking=True)
         self.d_meta[: off + rr].copy_(self.h_meta[: off + rr], non_blocking=True)
         self.tables[:r, :width].copy_(self.h_tables[:r, :width], non_blocking=True)
         self.d_draw[:rr].copy_(self.h_draw[:rr], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def replay(
         self,
