@@ -68,3 +68,31 @@ class SchedulerHarness:
             outs.append(self.step())
             assert len(outs) < max_steps, "no progress"
         return outs
+
+
+def interpreted_verdicts(request: Any, test_name: str, script: str) -> dict[str, str]:
+    """Verdicts ("ok" or the failure) of the selected `name` parameters of test `test_name`, computed in one
+    subprocess under the Triton interpreter: TRITON_INTERPRET=1 must be set before triton decorates a kernel, and
+    would turn every kernel of this process into an interpreted one. `script` (the test file) run with the case
+    names prints their verdicts as JSON on its last line."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    names = [
+        item.callspec.params["name"] for item in request.session.items if getattr(item, "originalname", "") == test_name
+    ]
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        # the repository and tests/ (the script imports this module)
+        "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, script, *names], env=env, cwd=repo, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

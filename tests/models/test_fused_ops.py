@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM, RMSNorm, Rotary, apply_rotary
 from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache
 from dspark.worker.attention.torch_ref import TorchAttention
+from helpers import interpreted_verdicts
 
 REPO = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -375,21 +375,7 @@ def _run_interpreted(names: list[str]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def interpreted(request: pytest.FixtureRequest) -> dict[str, str]:
     """Verdicts of the selected interpreter cases, all computed in one subprocess."""
-    names = [
-        item.callspec.params["name"]
-        for item in request.session.items
-        if getattr(item, "originalname", "") == "test_interpreted_kernels_match_torch"
-    ]
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, __file__, *names], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_verdicts(request, "test_interpreted_kernels_match_torch", __file__)
 
 
 @needs_triton

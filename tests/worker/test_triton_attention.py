@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 from dataclasses import dataclass, replace
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import interpreted_verdicts
 
 pytest.importorskip("triton")
 
@@ -293,21 +294,7 @@ def _run_interpreted(names: list[str]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def interpreted(request: pytest.FixtureRequest) -> dict[str, str]:
     """Verdicts of the selected interpreter cases, all computed in one subprocess (one import of torch and triton)."""
-    names = [
-        item.callspec.params["name"]
-        for item in request.session.items
-        if getattr(item, "originalname", "") == "test_interpreted_kernels_match_the_reference"
-    ]
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, __file__, *names], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_verdicts(request, "test_interpreted_kernels_match_the_reference", __file__)
 
 
 @pytest.mark.parametrize("name", list(CASES_BY_NAME))
