@@ -96,3 +96,17 @@ def interpreted_verdicts(request: Any, test_name: str, script: str) -> dict[str,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def case_verdicts(run: Any, names: list[str]) -> dict[str, str]:
+    """In an interpreter subprocess: run(name) for each case; its verdict, "ok" or the failure's last frames."""
+    import traceback
+
+    verdicts = {}
+    for name in names:
+        try:
+            run(name)
+            verdicts[name] = "ok"
+        except Exception:
+            verdicts[name] = traceback.format_exc(limit=-3)
+    return verdicts

@@ -152,9 +152,9 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._counter = 0
         # NOTE: everything built so far (model, tokenizer, graphs, caches) lives as long as the engine. Frozen, the
-        # cyclic GC stops re-scanning it on every collection that the per-step objects trigger: measured on CPU at
-        # 256 requests, the host part of a step halves (vLLM freezes after start-up too). A frozen cycle is never
-        # collected, so the next engine's construction thaws everything first.
+        # cyclic GC stops re-scanning it on the collections the per-step objects trigger (vLLM freezes after
+        # start-up too; benchmarks/host_step.py --thaw: 1.5-6% of the host step at 256 requests on CPU). A frozen
+        # cycle is never collected, so the next engine's construction thaws everything first.
         gc.collect()
         gc.freeze()
         self.stats = {

@@ -15,7 +15,6 @@ import importlib.util
 import json
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM, RMSNorm, Rotary, apply_rotary
 from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache
 from dspark.worker.attention.torch_ref import TorchAttention
-from helpers import interpreted_verdicts
+from helpers import case_verdicts, interpreted_verdicts
 
 REPO = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -362,14 +361,7 @@ def _run_interpreted(names: list[str]) -> dict[str, str]:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     _patch_interpreter()
     torch.set_num_threads(1)  # the machine's cores are shared; these shapes are tiny
-    verdicts = {}
-    for name in names:
-        try:
-            CASES[name](torch.device("cpu"))
-            verdicts[name] = "ok"
-        except Exception:
-            verdicts[name] = traceback.format_exc(limit=-3)
-    return verdicts
+    return case_verdicts(lambda name: CASES[name](torch.device("cpu")), names)
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import interpreted_verdicts
+from helpers import case_verdicts, interpreted_verdicts
 
 pytest.importorskip("triton")
 
@@ -281,14 +280,7 @@ def _run_interpreted(names: list[str]) -> dict[str, str]:
     """In the subprocess: each case's verdict, "ok" or the failure."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     _patch_interpreter()
-    verdicts = {}
-    for name in names:
-        try:
-            check_case(CASES_BY_NAME[name], torch.device("cpu"))
-            verdicts[name] = "ok"
-        except Exception:
-            verdicts[name] = traceback.format_exc(limit=-3)
-    return verdicts
+    return case_verdicts(lambda name: check_case(CASES_BY_NAME[name], torch.device("cpu")), names)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,64 @@
+"""The host's share of a decode step, with the model replaced by a stub: scheduler, inputs, output processing.
+
+    python benchmarks/host_step.py --concurrency 256 --output-kind cumulative final_only --thaw
+
+Every request emits one token per step from a stub runner, so what is timed is the engine's own Python: the
+scheduler, the runner's input lists and sampling rows, and output processing (detokenising, stop checks, outputs).
+--thaw also times each output kind with the GC heap unfrozen (as before the engine froze it after start-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+from dspark import LLM, SamplingParams
+from dspark.worker import model_runner as mr
+from dspark.worker.sampler import SampledRow
+
+
+def host_ms(concurrency: int, output_kind: str, thaw: bool, steps: int) -> float:
+    llm = LLM(max_num_seqs=concurrency, max_model_len=1024, device="cpu")
+    engine = llm.engine
+
+    def stub(sched: mr.SchedulerOutput) -> mr.RunnerOutput:
+        # the runner's host work: input lists, then the sampling rows; one token per sampling request
+        ids: list[int] = []
+        for s in sched.scheduled:
+            req = s.request
+            ids += req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + s.num_new_tokens]
+            mr.slots_for(req.block_ids, req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens, 16)
+        [mr.sampling_row(s.request) for s in sched.scheduled]
+        return mr.RunnerOutput({s.request.request_id: [SampledRow(100)] for s in sched.scheduled if s.samples})
+
+    engine.runner.execute = stub  # type: ignore[method-assign]
+    params = SamplingParams(temperature=1.0, max_tokens=steps + 200, ignore_eos=True, output_kind=output_kind)
+    for i in range(concurrency):
+        engine.add_request([1, 2, 3, 4, 5, 6, 7, 8 + i % 50] * 8, params)
+    for _ in range(100):
+        engine.step()
+    if thaw:
+        gc.unfreeze()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--output-kind", nargs="+", default=["cumulative", "final_only"])
+    parser.add_argument("--thaw", action="store_true")
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    for kind in args.output_kind:
+        for thaw in (True, False) if args.thaw else (False,):
+            ms = host_ms(args.concurrency, kind, thaw, args.steps)
+            heap = "unfrozen" if thaw else "frozen"
+            print(f"C={args.concurrency} output_kind={kind} GC heap {heap}: {ms:.2f} ms/step", flush=True)
+
+
+if __name__ == "__main__":
+    main()
