@@ -18,9 +18,15 @@ from dspark.worker import model_runner as mr
 from dspark.worker.sampler import SampledRow
 
 
-def host_ms(concurrency: int, output_kind: str, thaw: bool, steps: int) -> float:
-    llm = LLM(max_num_seqs=concurrency, max_model_len=1024, device="cpu")
+def host_ms(concurrency: int, output_kind: str, thaw: bool, steps: int, spec: bool = False) -> float:
+    # spec: an adaptive DSpark engine whose planner always answers "drafting does not pay", i.e. the plain steps of
+    # adaptive verification at high load, which should cost what a no-spec step costs.
+    config = {"method": "dspark", "num_speculative_tokens": 7} if spec else None
+    llm = LLM(max_num_seqs=concurrency, max_model_len=1024, device="cpu", speculative_config=config)
     engine = llm.engine
+    if engine.planner is not None:
+        planner, regime_choose = engine.planner, engine.planner.regime.choose
+        planner.regime.choose = lambda n, model_says: regime_choose(n, False) and False  # type: ignore[method-assign]
 
     def stub(sched: mr.SchedulerOutput) -> mr.RunnerOutput:
         # the runner's host work: input lists, then the sampling rows; one token per sampling request
@@ -52,12 +58,15 @@ def main() -> None:
     parser.add_argument("--output-kind", nargs="+", default=["cumulative", "final_only"])
     parser.add_argument("--thaw", action="store_true")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--spec", action="store_true", help="also time an adaptive DSpark engine's plain steps")
     args = parser.parse_args()
     for kind in args.output_kind:
         for thaw in (True, False) if args.thaw else (False,):
-            ms = host_ms(args.concurrency, kind, thaw, args.steps)
-            heap = "unfrozen" if thaw else "frozen"
-            print(f"C={args.concurrency} output_kind={kind} GC heap {heap}: {ms:.2f} ms/step", flush=True)
+            for spec in (False, True) if args.spec else (False,):
+                ms = host_ms(args.concurrency, kind, thaw, args.steps, spec)
+                heap = "unfrozen" if thaw else "frozen"
+                arm = "adaptive (plain steps)" if spec else "no-spec"
+                print(f"{arm} C={args.concurrency} output_kind={kind} GC heap {heap}: {ms:.2f} ms/step", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import argparse
 import collections
 import gc
 import json
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,9 +67,17 @@ def profile(name: str, device: str, concurrency: int, steps: int) -> dict[str, A
     if device == "cuda":
         torch.cuda.synchronize()
     generated = engine.get_metrics()["num_generation_tokens"]
+    # Each step's wall time by kind: "verify+draft", "plain" (neither), or "switch" (one of the two): an adaptive
+    # engine's plain steps should cost what a no-spec step costs.
+    by_kind: dict[str, list[float]] = collections.defaultdict(list)
     start = time.perf_counter()
     for _ in range(steps):
+        proposed, drafts = acc["propose"], engine.stats["spec_decode_num_drafts"]
+        t0 = time.perf_counter()
         engine.step()
+        ms = (time.perf_counter() - t0) * 1e3
+        drafted, verified = acc["propose"] > proposed, engine.stats["spec_decode_num_drafts"] > drafts
+        by_kind["verify+draft" if drafted and verified else "switch" if drafted or verified else "plain"].append(ms)
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
@@ -76,6 +85,7 @@ def profile(name: str, device: str, concurrency: int, steps: int) -> dict[str, A
     phases = {k: v / steps * 1e3 for k, v in acc.most_common()}
     phases["other"] = wall / steps * 1e3 - sum(phases.values())  # the rest of step(): bookkeeping, drafting's own
     row = {"config": name, "concurrency": concurrency, "step_ms": wall / steps * 1e3, "tokens_per_s": tokens / wall}
+    row["steps_by_kind"] = {k: {"count": len(v), "median_ms": statistics.median(v)} for k, v in by_kind.items()}
     del llm, engine
     gc.collect()
     if device == "cuda":
@@ -97,7 +107,9 @@ def main() -> None:
             row = profile(name, args.device, c, args.steps)
             rows.append(row)
             phases = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
+            kinds = ", ".join(f"{k} {v['count']}x {v['median_ms']:.2f}" for k, v in row["steps_by_kind"].items())
             print(f"{name} C={c}: {row['step_ms']:.2f} ms/step, {row['tokens_per_s']:.0f} tok/s | {phases}", flush=True)
+            print(f"{name} C={c}: median step by kind: {kinds}", flush=True)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)
