@@ -13,6 +13,7 @@ points in, predictions out, JSON round trip.
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,6 +72,21 @@ class CostCurve:
         out = torch.where(x <= self.capture_limit, step, linear)
         return out.clamp(min=float(ms[0]))  # below the first profiled size: never cheaper than it
 
+    def at(self, n: int) -> float:
+        """The prediction for one size, in plain floats: what __call__ gives for [n], without building tensors (the
+        planner asks once or twice a step, where a tensor round trip costs more than the arithmetic)."""
+        sizes, ms = self.sizes, self.monotone_ms
+        above = min(bisect.bisect_left(sizes, n), len(sizes) - 1)
+        if n <= self.capture_limit:
+            out = ms[above]
+        elif len(sizes) == 1:
+            out = ms[0] * n / sizes[0]
+        else:
+            hi = max(above, 1)
+            lo = hi - 1
+            out = ms[lo] + (ms[hi] - ms[lo]) / (sizes[hi] - sizes[lo]) * (n - sizes[lo])
+        return max(out, ms[0])
+
 
 @dataclass
 class CostModel:
@@ -99,7 +115,7 @@ class CostModel:
         return self.verify(num_tokens, context_tokens)
 
     def draft_ms(self, num_reqs: int) -> float:
-        return float(self.draft(torch.tensor([num_reqs]))[0]) if num_reqs > 0 else 0.0
+        return self.draft.at(num_reqs) if num_reqs > 0 else 0.0
 
     @overload
     def step_ms(self, num_requests: int, num_tokens: int, context_tokens: int | None = None) -> float: ...
@@ -114,7 +130,7 @@ class CostModel:
         or a tensor of candidate token counts for a vector of predictions)."""
         if isinstance(num_tokens, torch.Tensor):
             return self.draft_ms(num_requests) + self.verify_ms(num_tokens.cpu(), context_tokens)
-        return self.draft_ms(num_requests) + float(self.verify_ms(torch.tensor([num_tokens]), context_tokens)[0])
+        return self.draft_ms(num_requests) + self.verify.at(num_tokens)
 
     def table(self) -> list[dict[str, float]]:
         """The profiled points, for printing: one row per size with the verify and draft times where profiled."""
@@ -161,16 +177,17 @@ class RefinedCostModel(CostModel):
         super().__init__(base.verify, base.draft, base.key)
         self.base = base
         self.decay = decay
-        self._sums = torch.zeros(5, dtype=torch.float64)  # sum of w, w*r, w*r^2, w*y, w*r*y
+        self._sums = [0.0] * 5  # sum of w, w*r, w*r^2, w*y, w*r*y (floats: updated every step, a tensor op costs more)
 
     def observe(self, num_requests: int, base_ms: float, measured_ms: float) -> None:
         if measured_ms > OUTLIER_RATIO * max(base_ms, 1e-3):
             return  # a one-off stall (a kernel compiling, a GC pause) says nothing about the next step
         r, y = float(num_requests), measured_ms - base_ms
-        self._sums = self._sums * self.decay + torch.tensor([1.0, r, r * r, y, r * y], dtype=torch.float64)
+        d = self.decay
+        self._sums = [d * a + b for a, b in zip(self._sums, (1.0, r, r * r, y, r * y), strict=True)]
 
     def overhead_ms(self, num_requests: int) -> float:
-        s0, s1, s2, sy, sry = self._sums.tolist()
+        s0, s1, s2, sy, sry = self._sums
         if s0 < 1e-9:
             return 0.0
         det = s0 * s2 - s1 * s1

@@ -42,6 +42,7 @@ class _Copy:
     """An asynchronous device-to-host copy of one step's survivals."""
 
     request_ids: list[str]
+    slots: list[int]  # their rows in the planner's tables when the copy was made
     host: torch.Tensor  # [R, K]
     event: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
 
@@ -96,7 +97,7 @@ class StepTiming:
 
     pending: deque[_Timed] = field(default_factory=deque)
     num_steps: int = 0
-    sum_error: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
+    sum_error: list[float] = field(default_factory=lambda: [0.0] * 4)  # floats: a tensor op per step costs more
 
     def harvest(self, cost: RefinedCostModel, regime: RegimeChooser) -> None:
         while self.pending:
@@ -112,13 +113,15 @@ class StepTiming:
             base = (t.base_ms - measured) / max(measured, 1e-6)
             refined = (t.refined_ms - measured) / max(measured, 1e-6)
             self.num_steps += 1
-            self.sum_error += torch.tensor([base, abs(base), refined, abs(refined)], dtype=torch.float64)
+            self.sum_error = [
+                a + b for a, b in zip(self.sum_error, (base, abs(base), refined, abs(refined)), strict=True)
+            ]
             cost.observe(t.num_requests, t.base_ms, measured)
             regime.observe(t.num_requests, t.verified_drafts, t.drafted, t.num_emitted, measured)
 
     def mean_errors(self) -> list[float]:
         """Mean relative error (predicted - measured) / measured: profiled, |profiled|, refined, |refined|."""
-        return (self.sum_error / self.num_steps).tolist() if self.num_steps else [0.0] * 4
+        return [e / self.num_steps for e in self.sum_error] if self.num_steps else [0.0] * 4
 
 
 class VerificationPlanner:
@@ -139,11 +142,18 @@ class VerificationPlanner:
         if self.adaptive and device.type == "cuda":  # compile the allocation kernel now, not in the first busy step
             allocate(torch.ones(2, num_spec_tokens, device=device), 1, torch.ones(2, dtype=torch.int64, device=device))
         self.device = device
-        self._smoothed: dict[str, torch.Tensor] = {}  # request id -> [K] smoothed confidences (device)
-        self._live: dict[str, torch.Tensor] = {}  # request id -> [K] survivals of its pending drafts (device)
-        self._raw: dict[str, torch.Tensor] = {}  # request id -> [K] its pending drafts' confidences before smoothing
+        # Per-request state lives in rows of persistent tables, so that a step's bookkeeping is a few gathers and
+        # scatters over all its requests: a tensor per request cost ~3 us of host time each, ~7 ms a step at R = 256.
+        self._slot: dict[str, int] = {}  # request id -> its row
+        self._free: list[int] = []
+        self._smoothed = torch.zeros(0, num_spec_tokens, device=device)  # [N, K] smoothed confidences
+        self._raw = torch.zeros(0, num_spec_tokens, device=device)  # [N, K] pending drafts' confidences, unsmoothed
+        self._live = torch.zeros(0, num_spec_tokens, device=device)  # [N, K] survivals of the pending drafts
+        self._stale = torch.zeros(0, num_spec_tokens, dtype=torch.float64)  # [N, K] host survivals, a step or two old
+        self._has_stale = torch.zeros(0, dtype=torch.bool)  # [N] host: the row of _stale is known
+        self._history: set[str] = set()  # requests with a smoothed row (the EMA has a previous value)
+        self._pending: set[str] = set()  # requests with live drafts not yet verified or dropped
         self._stratum: dict[str, int] = {}
-        self._stale: dict[str, torch.Tensor] = {}  # request id -> [K] host survivals, a step or two old
         self._copies: deque[_Copy] = deque()
         self._prior = 0.5 ** torch.arange(1, num_spec_tokens + 1, dtype=torch.float64)  # before any survival is seen
         # Conditional acceptance per stratum and position: reached (every earlier draft accepted) and accepted counts.
@@ -168,6 +178,29 @@ class VerificationPlanner:
 
     # ---- 1. after drafting --------------------------------------------------------------------------------------
 
+    def _rows(self, request_ids: list[str]) -> list[int]:
+        """The requests' table rows; a request seen for the first time gets a free one (the tables grow by doubling)."""
+        slots = []
+        for rid in request_ids:
+            slot = self._slot.get(rid)
+            if slot is None:
+                if not self._free:
+                    self._grow()
+                slot = self._slot[rid] = self._free.pop()
+            slots.append(slot)
+        return slots
+
+    def _grow(self) -> None:
+        n = self._live.shape[0]
+        more = max(n, 16)
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(more, *t.shape[1:])])
+
+        self._smoothed, self._raw, self._live = pad(self._smoothed), pad(self._raw), pad(self._live)
+        self._stale, self._has_stale = pad(self._stale), pad(self._has_stale)
+        self._free.extend(range(n + more - 1, n - 1, -1))
+
     def observe(
         self,
         request_ids: list[str],
@@ -178,6 +211,7 @@ class VerificationPlanner:
         if not request_ids:
             return
         k = self.k
+        slots = self._rows(request_ids)
         if confidences is None:
             rates = (self.accepted + 1.0) / (self.reached + 2.0)  # Beta(1, 1) prior: 0.5 before any outcome
             rows = torch.tensor(strata or [0] * len(request_ids), dtype=torch.int64).clamp_(0, rates.shape[0] - 1)
@@ -189,47 +223,60 @@ class VerificationPlanner:
             if current.shape[1] < k:
                 current = torch.cat([current, current.new_zeros(current.shape[0], k - current.shape[1])], dim=1)
         current = current.clamp(MIN_CONFIDENCE, 1.0)
+        index = upload(slots, torch.int64, current.device)
         held = (
             torch.arange(k, device=current.device)[None, :] < upload(num_drafts, torch.int64, current.device)[:, None]
         )
-        previous = [self._smoothed.get(rid) for rid in request_ids]
         # NOTE: learned rates are already averages over many blocks: smoothing them again only mixes in a stale
         # stratum (measured: alpha 0 predicts n-gram acceptance best at every batch size, README).
-        if confidences is not None and self.alpha > 0 and any(p is not None for p in previous):
-            has = upload([p is not None for p in previous], torch.bool, current.device)
-            prev = torch.stack([current[i] if p is None else p for i, p in enumerate(previous)])
-            smoothed = torch.where(has[:, None], self.alpha * prev + (1.0 - self.alpha) * current, current)
+        has = [rid in self._history for rid in request_ids]
+        if confidences is not None and self.alpha > 0 and any(has):
+            prev = self._smoothed[index]
+            mixed = self.alpha * prev + (1.0 - self.alpha) * current
+            smoothed = (
+                mixed if all(has) else torch.where(upload(has, torch.bool, current.device)[:, None], mixed, current)
+            )
         else:
             smoothed = current
         live = torch.where(held, torch.cumprod(smoothed, dim=1), 0.0)
-        for i, rid in enumerate(request_ids):  # rows are views: no copies
-            self._smoothed[rid] = smoothed[i]
-            self._raw[rid] = current[i]
-            self._live[rid] = live[i]
-        self._publish(request_ids, live)
+        self._smoothed[index] = smoothed
+        self._raw[index] = current
+        self._live[index] = live
+        self._history.update(request_ids)
+        self._pending.update(request_ids)
+        self._publish(request_ids, slots, live)
 
-    def _publish(self, request_ids: list[str], live: torch.Tensor) -> None:
+    def _publish(self, request_ids: list[str], slots: list[int], live: torch.Tensor) -> None:
         if live.is_cuda:
             host = torch.empty(live.shape, dtype=live.dtype, pin_memory=True)
             host.copy_(live, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._copies.append(_Copy(request_ids, host, event))
+            self._copies.append(_Copy(request_ids, slots, host, event))
         else:
-            self._copies.append(_Copy(request_ids, live.clone(), None))
+            self._copies.append(_Copy(request_ids, slots, live.clone(), None))
 
     def _harvest(self) -> None:
         """Take in the copies older than the newest one whose transfer has finished (never waits)."""
         while len(self._copies) > 1 and (self._copies[0].event is None or self._copies[0].event.query()):
             copy = self._copies.popleft()
-            for i, rid in enumerate(copy.request_ids):
-                # NOTE: a block without drafts (no n-gram match) says nothing about how good drafts would be; taken in,
-                # its zeros would stop drafting for the request for good (no draft, no newer block to learn from).
-                if rid in self._smoothed and copy.host[i, 0] > 0:  # not released meanwhile, and held a draft
-                    self._stale[rid] = copy.host[i].double()
-            held = copy.host[copy.host[:, 0] > 0].double()
-            if held.numel():  # requests without a stale row start from the recent mean
-                self._prior = 0.9 * self._prior + 0.1 * held.mean(dim=0)
+            # NOTE: a block without drafts (no n-gram match) says nothing about how good drafts would be; taken in,
+            # its zeros would stop drafting for the request for good (no draft, no newer block to learn from).
+            held = copy.host[:, 0] > 0
+            current = torch.tensor(  # not released meanwhile (its row may since belong to another request)
+                [self._slot.get(rid) == slot for rid, slot in zip(copy.request_ids, copy.slots, strict=True)]
+            )
+            take = held & current
+            index = torch.tensor(copy.slots, dtype=torch.int64)[take]
+            self._stale[index] = copy.host[take].double()
+            self._has_stale[index] = True
+            if held.any():  # requests without a stale row start from the recent mean
+                self._prior = 0.9 * self._prior + 0.1 * copy.host[held].double().mean(dim=0)
+
+    def _stale_rows(self, slots: list[int]) -> torch.Tensor:
+        """[len(slots), K] host: each row's stale survivals, or the prior where none is known yet."""
+        index = torch.tensor(slots, dtype=torch.int64)
+        return torch.where(self._has_stale[index][:, None], self._stale[index], self._prior)
 
     def should_draft(self, request_ids: list[str]) -> bool:
         """Adaptive modes: whether drafting for these requests pays at all: the cost model's answer
@@ -244,8 +291,7 @@ class VerificationPlanner:
         if cached is None or cached[1] <= 0:
             # NOTE: the cost model's answer moves slowly (stale survivals, the load); recomputed every few steps at a
             # load, it costs ~1% of a small step instead of ~30% (host tensor work on [R, K]).
-            stale = torch.stack([self._stale.get(rid, self._prior) for rid in request_ids])
-            cached = (drafting_pays(stale, n, self.cost), PAYS_REUSE)
+            cached = (drafting_pays(self._stale_rows(self._rows(request_ids)), n, self.cost), PAYS_REUSE)
         self._pays_cache[n] = (cached[0], cached[1] - 1)
         pays = self.regime.choose(n, cached[0])
         self.num_steps_without_drafting += not pays
@@ -266,11 +312,12 @@ class VerificationPlanner:
         num_other = sched.num_tokens - sum(caps)
         if self.adaptive:
             assert self.cost is not None
-            live = torch.stack([self._live[s.request.request_id] for s in items])
+            slots = self._rows([s.request.request_id for s in items])
+            live = self._live[upload(slots, torch.int64, self.device)]
             cap_t = upload(caps, torch.int64, live.device)
             if self.mode == "async":
                 self._harvest()
-                stale = torch.stack([self._stale.get(s.request.request_id, self._prior) for s in items])
+                stale = self._stale_rows(slots)
                 stale = torch.where(torch.arange(self.k)[None, :] < torch.tensor(caps)[:, None], stale, 0.0)
                 budget = choose_budget(stale, num_sampling, num_other, self.cost)
                 counts = download(allocate(live, budget, cap_t))[0]
@@ -321,13 +368,13 @@ class VerificationPlanner:
     def record(self, outcomes: list[tuple[str, int, int]], trace: bool = False) -> list[dict[str, object]]:
         """The step's verified blocks, (request id, drafts verified, drafts accepted) each: one device-to-host copy for
         all of them. Returns their trace records when asked (raw confidences, counts)."""
-        known = [(rid, v, a) for rid, v, a in outcomes if rid in self._live and rid in self._raw]
+        known = [(rid, v, a) for rid, v, a in outcomes if rid in self._pending]
         if not known:
             return []
-        live = torch.stack([self._live.pop(rid) for rid, _, _ in known])
-        raw = torch.stack([self._raw.pop(rid) for rid, _, _ in known])
+        self._pending.difference_update(rid for rid, _, _ in known)
+        index = upload([self._slot[rid] for rid, _, _ in known], torch.int64, self.device)
         # NOTE: the one copy, and the step's wait for it (an event, not a stream sync).
-        host_t = Download(torch.cat([live, raw], dim=1).double()).wait()[0]
+        host_t = Download(torch.cat([self._live[index], self._raw[index]], dim=1).double()).wait()[0]
         k = self.k
         positions = torch.arange(k)
         # Every request's outcome at once: a per-request loop of small tensor ops cost ~70 us a request (H200 host).
@@ -354,15 +401,23 @@ class VerificationPlanner:
                 )
         return records
 
+    def survivals(self, request_id: str) -> torch.Tensor | None:
+        """The live survivals ([K]) of the request's pending drafts; None when it has none."""
+        return self._live[self._slot[request_id]] if request_id in self._pending else None
+
     def drop_drafts(self, request_id: str) -> None:
         """The request's pending drafts were dropped (preemption); its smoothing history stays."""
-        self._live.pop(request_id, None)
-        self._raw.pop(request_id, None)
+        self._pending.discard(request_id)
 
     def release(self, request_id: str) -> None:
         """The request finished: forget everything about it (the EMA restarts for a new request)."""
-        for table in (self._smoothed, self._live, self._raw, self._stratum, self._stale):
-            table.pop(request_id, None)
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._has_stale[slot] = False
+            self._free.append(slot)
+        self._history.discard(request_id)
+        self._pending.discard(request_id)
+        self._stratum.pop(request_id, None)
 
     def metrics(self) -> dict[str, object]:
         cal = self.calibration

@@ -8,8 +8,10 @@ load level (requests emitting a token, in powers of two) keeps an exponential av
 each regime: "spec" steps verified drafts and drafted again, "plain" steps did neither (a step that switches regime is
 neither). Once both are known the faster wins (a 3% margin keeps the model's choice on a near tie); until then, and
 between measurements, the model decides. Every so often the other regime runs for a short burst to keep its figure
-fresh, at first soon and then more rarely (8 steps doubling to 256), so a level costs a few steps of the slower
-regime to learn.
+fresh, at first soon and then more rarely (8 steps, doubling), so a level costs a few steps of the slower regime to
+learn. Once both rates are known the bursts are also spaced by how much slower the other regime is, so that they cost
+at most 1% of the time between them: on the H200 a drafting step of a weak drafter took 2.5-4x a plain one, and
+bursts every 256 steps cost 2-4% of throughput, more than the whole margin adaptive verification is allowed.
 
 The choice reads only past measurements and the load, never a draft, so verification stays lossless.
 """
@@ -19,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BURST = 3  # steps of the other regime per exploration: the first switches, the next are steady
-FIRST_PERIOD, MAX_PERIOD = 8, 256
+FIRST_PERIOD, MAX_PERIOD = 8, 4096
+EXPLORE_SHARE = 0.01  # once both rates are known: the most a burst of the slower regime may cost of the time between
 MARGIN = 0.03
 DECAY = 0.8  # weight of the previous average per new steady step
 
@@ -56,12 +59,21 @@ class RegimeChooser:
             other = not choice
             if lv.since[other] >= lv.period:
                 lv.burst, lv.burst_regime = BURST - 1, other
-                lv.period = min(2 * lv.period, MAX_PERIOD)
+                lv.period = min(max(2 * lv.period, self._spacing(lv)), MAX_PERIOD)
                 self.num_explorations += 1
                 choice = other
         lv.since[choice] = 0
         lv.since[not choice] += 1
         return choice
+
+    @staticmethod
+    def _spacing(lv: _Level) -> int:
+        """Steps between bursts so that one costs at most EXPLORE_SHARE: a step of the slower regime loses
+        (fast / slow - 1) steps' worth of the faster one's tokens."""
+        if len(lv.rate) < 2 or min(lv.rate.values()) <= 0:
+            return 0
+        ratio = max(lv.rate.values()) / min(lv.rate.values())
+        return int(BURST * (ratio - 1.0) / EXPLORE_SHARE)
 
     def observe(self, num_requests: int, verified_drafts: bool, drafted: bool, tokens: int, ms: float) -> None:
         """One finished step: it counts for a regime only if steady (verified drafts and drafted again, or neither)."""

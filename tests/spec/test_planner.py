@@ -77,10 +77,33 @@ def test_the_ema_smooths_per_request_and_restarts_for_a_new_one() -> None:
     planner = VerificationPlanner(K, "fixed", 0.8, None, CPU)
     _observe(planner, ["a"], 1.0)
     _observe(planner, ["a"], 0.5)
-    assert torch.allclose(planner._live["a"], torch.full((K,), 0.9).cumprod(0))  # 0.8 * 1 + 0.2 * 0.5
+    assert torch.allclose(planner.survivals("a"), torch.full((K,), 0.9).cumprod(0))  # 0.8 * 1 + 0.2 * 0.5
     planner.release("a")
     _observe(planner, ["a"], 0.5)
-    assert torch.allclose(planner._live["a"], torch.full((K,), 0.5).cumprod(0))
+    assert torch.allclose(planner.survivals("a"), torch.full((K,), 0.5).cumprod(0))
+
+
+def test_rows_are_reused_after_release_without_leaking_state() -> None:
+    """Per-request state sits in rows of shared tables: more requests than the first capacity grow them, and a row
+    freed by a finished request starts clean for the next one (no EMA history, no stale survivals)."""
+    planner = VerificationPlanner(K, "async", 0.8, _pays_for_sure_drafts(), CPU)
+    many = [f"r{i}" for i in range(40)]
+    for conf in (0.9, 0.2):  # two blocks each: every request has an EMA history and a stale row
+        _observe(planner, many, conf)
+    _observe(planner, many[:1], 0.2)  # a newer copy, so the older ones are taken in
+    planner.should_draft(many)
+    for rid in many[1:]:
+        live = planner.survivals(rid)
+        assert live is not None and torch.allclose(live, torch.full((K,), 0.8 * 0.9 + 0.2 * 0.2).cumprod(0))
+    planner.record([(rid, K, 0) for rid in many])
+    assert planner.survivals("r5") is None  # verified: nothing pending
+    for rid in many:
+        planner.release(rid)
+    _observe(planner, ["new"], 0.5)
+    live = planner.survivals("new")
+    assert live is not None and torch.allclose(live, torch.full((K,), 0.5).cumprod(0))  # no inherited history
+    slot = planner._slot["new"]
+    assert not bool(planner._has_stale[slot])  # nor an inherited stale row: the prior stands in until one arrives
 
 
 def test_drafting_stops_when_the_drafter_costs_more_than_its_drafts_return() -> None:
@@ -100,7 +123,8 @@ def test_drafts_without_confidences_learn_acceptance_per_stratum() -> None:
         planner.observe(["long", "short"], [K, K], None, strata=[2, 1])
         planner.record([("long", K, K), ("short", K, 0)])
     planner.observe(["long", "short"], [K, K], None, strata=[2, 1])
-    long_, short = planner._live["long"], planner._live["short"]
+    long_, short = planner.survivals("long"), planner.survivals("short")
+    assert long_ is not None and short is not None
     assert float(long_[0]) > 0.9 and float(short[0]) < 0.1
 
 

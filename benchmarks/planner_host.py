@@ -1,0 +1,92 @@
+"""The host time of adaptive verification's bookkeeping per step, by planner phase, at R requests.
+
+    python benchmarks/planner_host.py --requests 1 256 1024 [--device cuda]
+
+A steady loop of the planner's calls as the engine makes them, with synthetic drafts and outcomes and a synthetic
+cost curve: every step verifies last step's drafts (plan, record), then drafts again (should_draft, observe), and is
+timed (step_started, step_finished). A "plain" loop runs the calls of a step that neither verifies nor drafts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+from dspark.config import SamplingParams
+from dspark.engine.request import Request
+from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
+from dspark.spec.cost_model import CostModel
+from dspark.spec.planner import VerificationPlanner
+
+K = 7
+
+
+def _cost() -> CostModel:
+    # ~H200 SmolLM2-like: a flat 1.4 ms step up to 512 tokens, then linear; the drafter pass ~1 ms
+    verify = {1: 1.4, 512: 1.5, 2048: 3.0, 8192: 9.0}
+    draft = {1: 1.0, 1024: 3.0}
+    return CostModel.from_points(verify, draft, capture_limit=512)
+
+
+def run(num_reqs: int, device: torch.device, steps: int, drafting: bool) -> dict[str, float]:
+    planner = VerificationPlanner(K, "async", 0.8, _cost(), device)
+    reqs = []
+    for i in range(num_reqs):
+        req = Request(f"r{i}", None, [1, 2, 3, 4], SamplingParams(), 0, None)
+        req.num_computed_tokens = 3
+        reqs.append(req)
+    ids = [r.request_id for r in reqs]
+    gen = torch.Generator().manual_seed(0)
+    acc: collections.Counter[str] = collections.Counter()
+
+    def timed(label: str, f, *args):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        out = f(*args)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        acc[label] += time.perf_counter() - start
+        return out
+
+    conf = torch.rand(num_reqs, K, generator=gen).to(device)
+    planner.observe(ids, [K] * num_reqs, conf)
+    planner.observe(ids, [K] * num_reqs, conf)
+    for step in range(steps + 5):
+        if step == 5:  # the first steps warm up (and harvest the first copies)
+            acc.clear()
+        sched = SchedulerOutput(
+            [ScheduledRequest(r, 1 + K, [7] * K) if drafting else ScheduledRequest(r, 1) for r in reqs]
+        )
+        timed("step_started", planner.step_started)
+        timed("plan", planner.plan, sched)
+        if drafting:
+            outcomes = [
+                (s.request.request_id, len(s.spec_token_ids), min(2, len(s.spec_token_ids))) for s in sched.scheduled
+            ]
+            timed("record", planner.record, outcomes)
+        pays = timed("should_draft", planner.should_draft, ids)
+        if drafting:
+            timed("observe", planner.observe, ids, [K] * num_reqs, conf)
+        timed("step_finished", planner.step_finished, drafting and pays, num_reqs)
+    return {k: v / steps * 1e6 for k, v in acc.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, nargs="+", default=[1, 256, 1024])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    for drafting in (False, True):
+        for r in args.requests:
+            us = run(r, device, args.steps, drafting)
+            phases = ", ".join(f"{k} {v:.0f}" for k, v in sorted(us.items(), key=lambda kv: -kv[1]))
+            kind = "drafting" if drafting else "plain"
+            print(f"{kind} R={r}: {sum(us.values()):.0f} us/step | {phases}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
