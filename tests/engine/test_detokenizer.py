@@ -112,3 +112,13 @@ def test_special_tokens_skipped_or_kept(tok: Any, chat_prompt: list[int]) -> Non
     more = [*ids, *tok.encode(" again", add_special_tokens=False)]
     deltas = stream(tok, chat_prompt, more, skip=True)
     assert "".join(deltas) == tok.decode(more, skip_special_tokens=True) == " Hi there again"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_adding_all_at_once_gives_the_streamed_text(tok: Any, chat_prompt: list[int], text: str) -> None:
+    """add_all (a final_only request, decoded when it ends) equals the streamed deltas, also when the tokens end in
+    the middle of a character (which both leave out)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    for end in range(1, len(ids) + 1):
+        once = IncrementalDetokenizer(tok, chat_prompt).add_all(ids[:end])
+        assert once == "".join(stream(tok, chat_prompt, ids[:end])), (text, end)

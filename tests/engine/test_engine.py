@@ -156,11 +156,11 @@ def test_huge_numbers_are_config_errors() -> None:
 
 def test_final_only_outputs_once_with_the_cumulative_result(llm: LLM) -> None:
     """output_kind="final_only" (vLLM's FINAL_ONLY): no per-step outputs, and the one final output is exactly what
-    the per-step ("cumulative") outputs end with."""
+    the per-step ("cumulative") outputs end with, though its text is detokenised once at the end, not per token."""
     engine = llm.engine
     results = {}
     for kind in ("cumulative", "final_only"):
-        params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, output_kind=kind)
+        params = SamplingParams(temperature=0.8, seed=5, max_tokens=48, ignore_eos=True, output_kind=kind)
         rids = [engine.add_request(p, params) for p in (PROMPT, PROMPT[:10])]
         seen: list[RequestOutput] = []
         while engine.has_unfinished_requests():
