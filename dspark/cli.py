@@ -707,6 +707,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
 
+    from dspark.server.cli import add_parser as add_serve
+
+    add_serve(commands, _Formatter)
+
     bench = commands.add_parser(
         "bench",
         help="benchmarks",
@@ -808,6 +812,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sweep(benches, _Formatter)
 
+    from dspark.bench.serve import add_parser as add_serve_bench
+
+    add_serve_bench(benches, _Formatter)
+
     prof = commands.add_parser(
         "profile",
         help="profile (or show the cached) step-cost curves adaptive verification plans with",
@@ -860,6 +868,10 @@ def build_parser() -> argparse.ArgumentParser:
     from dspark.bench.simulate import add_parser as add_simulate
 
     add_simulate(commands, _Formatter)
+
+    from dspark.evals.cli import add_parser as add_eval
+
+    add_eval(commands, _Formatter)
     return parser
 
 

@@ -4,6 +4,8 @@
 #                 sweep (no-spec, fixed-7, adaptive at C = 1, 64, 256, T = 0).
 #   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
 #   PHASE=sweep : the full sweep, one temperature per GPU (T = 0 on GPU 0, T = 1 on the last), with the hf arm.
+#   PHASE=serve : issue 7 on the GPU: `dspark serve` per arm (no-spec, fixed-7, adaptive) on GPU 0, loaded by
+#                 `dspark bench serve` with GSM8K prompts at C = 1, 16, 256 (256 tokens, ignore_eos, T = 0).
 # Everything lands in $OUT. Usage there: source .device/setup.sh && PHASE=check bash benchmarks/gpu/run_h200.sh
 set -uo pipefail
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -59,6 +61,26 @@ elif [ "$PHASE" = final ]; then
   cat "$OUT/step-profile.log"
   grep -h "tok/s ROW" "$OUT"/sweep-t*.log | sed 's/ ROW.*//'
   cat "$OUT"/h200-sweep-t*.md 2>/dev/null
+elif [ "$PHASE" = serve ]; then
+  GSM=$DATA/deepspec_eval/gsm8k.jsonl
+  declare -A CFG=([no-spec]="" [fixed-7]='{"method": "dspark", "num_speculative_tokens": 7, "enable_adaptive_verification": false}'
+    [adaptive]='{"method": "dspark", "num_speculative_tokens": 7}')
+  for arm in no-spec fixed-7 adaptive; do
+    spec=()
+    [ -n "${CFG[$arm]}" ] && spec=(--speculative-config "${CFG[$arm]}")
+    CUDA_VISIBLE_DEVICES=0 python -m dspark serve --device cuda --port 8123 --max-num-seqs 256 \
+      --gpu-memory-utilization 0.6 "${spec[@]}" > "$OUT/serve-$arm.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 240); do curl -sf http://127.0.0.1:8123/health > /dev/null && break; sleep 0.5; done
+    for c in 1 16 256; do
+      n=$((c < 16 ? 16 : c))
+      timeout 120 python -m dspark bench serve --base-url http://127.0.0.1:8123 --dataset-name gsm8k \
+        --dataset-path "$GSM" --num-prompts "$n" --max-concurrency "$c" --output-len 256 --ignore-eos \
+        --temperature 0 --disable-tqdm --save-result --result-dir "$OUT" --result-filename "serve-$arm-c$c.json" \
+        2>&1 | grep -i "throughput\|acceptance length\|failed\|error" | sed "s/^/$arm C=$c /"
+    done
+    kill "$pid"; wait "$pid" 2> /dev/null
+  done
 elif [ "$PHASE" = sweep ]; then
   for i in 0 "$LAST"; do
     t=$([ "$i" = 0 ] && echo 0 || echo 1)

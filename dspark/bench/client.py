@@ -1,0 +1,332 @@
+"""The async HTTP client that `dspark bench serve` and `dspark eval` drive an OpenAI-compatible server with.
+
+Every request streams (server-sent events with `stream_options.include_usage`), so one code path both measures
+latency and collects the text. Time to first token is the arrival of the first chunk that carries text: a chat
+stream's opening role-only chunk may be sent before any token exists, so it does not count. Inter-token latency is
+the gap between consecutive chunks with text; one chunk can hold several tokens (a step's accepted drafts), as in
+`vllm bench serve`. Token counts come from the usage chunk the server sends last; a server that sends none gets its
+output counted as one token per text chunk and its prompt as the client's own estimate (if any).
+
+A request that fails (connection refused, an HTTP error status, an error event, a stream cut before `[DONE]`) comes
+back as a RequestResult with success=False and the reason; it never raises, so one bad request cannot end a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from dspark.errors import ConfigError, DSparkError
+
+BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+# One request may legitimately take long (a long generation behind a deep queue): only a hung server should end it.
+REQUEST_TIMEOUT_S = 6 * 60 * 60
+ERROR_TEXT_CHARS = 300
+
+Prompt = str | list[dict[str, str]]  # text for /v1/completions, messages for /v1/chat/completions
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str  # the server root, e.g. http://127.0.0.1:8000 (no /v1)
+    backend: str  # a key of BACKENDS
+    path: str  # the route requests go to, e.g. /v1/completions
+    model: str
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError("backend", self.backend, f"one of {', '.join(BACKENDS)}")
+        if not self.path.startswith("/"):
+            raise ConfigError("endpoint", self.path, "a path starting with /, e.g. /v1/completions")
+
+    @property
+    def url(self) -> str:
+        return self.base_url + self.path
+
+    @property
+    def chat(self) -> bool:
+        return self.backend == "openai-chat"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return auth_headers(self.api_key)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def server_root(base_url: str | None, host: str, port: int) -> str:
+    """The server root from --base-url (with or without a trailing /v1, as users write either) or --host/--port."""
+    root = (base_url or f"http://{host}:{port}").rstrip("/")
+    if not root.startswith(("http://", "https://")):
+        raise ConfigError("base_url", base_url, "an http:// or https:// URL, e.g. http://127.0.0.1:8000")
+    return root.removesuffix("/v1")
+
+
+@dataclass
+class RequestInput:
+    prompt: Prompt
+    max_tokens: int
+    temperature: float
+    prompt_len: int | None = None  # the client's estimate, used only when the server reports no usage
+    extra: dict[str, Any] = field(default_factory=dict)  # more body fields: ignore_eos, stop, seed, ...
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds from sending to the first chunk with text
+    itl: list[float] = field(default_factory=list)  # seconds between consecutive chunks with text
+    latency: float = 0.0  # seconds from sending to the end of the stream
+    error: str = ""
+
+
+def request_body(endpoint: Endpoint, req: RequestInput) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": endpoint.model,
+        "max_tokens": req.max_tokens,
+        "temperature": req.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **req.extra,
+    }
+    if endpoint.chat:
+        messages = req.prompt if isinstance(req.prompt, list) else [{"role": "user", "content": req.prompt}]
+        body["messages"] = messages
+    else:
+        if not isinstance(req.prompt, str):
+            raise ConfigError("backend", endpoint.backend, "openai-chat for prompts given as chat messages")
+        body["prompt"] = req.prompt
+    return body
+
+
+async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: RequestInput) -> RequestResult:
+    """One streamed request; never raises for a failure of the server or the network."""
+    result = RequestResult(prompt_tokens=req.prompt_len or 0)
+    body = request_body(endpoint, req)
+    sent = time.perf_counter()
+    parts: list[str] = []
+    usage: dict[str, Any] | None = None
+    first_chunk: float | None = None
+    last = sent
+    done = False
+    try:
+        async with session.post(endpoint.url, json=body, headers=endpoint.headers) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                result.error = f"HTTP {resp.status}: {text[:ERROR_TEXT_CHARS]}"
+                return result
+            async for data, arrived in _sse_data(resp):
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"error event: {json.dumps(chunk['error'])[:ERROR_TEXT_CHARS]}"
+                    return result
+                usage = chunk.get("usage") or usage
+                choices = chunk.get("choices") or []
+                if not choices:
+                    continue
+                choice = choices[0]
+                first_chunk = first_chunk or arrived
+                text = (choice.get("delta") or {}).get("content") if endpoint.chat else choice.get("text")
+                if choice.get("finish_reason") is not None:
+                    result.finish_reason = choice["finish_reason"]
+                if text:
+                    if parts:
+                        result.itl.append(arrived - last)
+                    else:
+                        result.ttft = arrived - sent
+                    last = arrived
+                    parts.append(text)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError: a chunk that is not JSON
+        result.error = f"{type(e).__name__}: {e}"[:ERROR_TEXT_CHARS]
+        return result
+    result.latency = time.perf_counter() - sent
+    result.text = "".join(parts)
+    if not parts:  # an answer with no text (EOS first): its first token is the first chunk, or the end
+        result.ttft = (first_chunk or sent + result.latency) - sent
+    if not done:
+        result.error = "the stream ended before [DONE]"
+        return result
+    if usage is not None:
+        result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
+        result.output_tokens = int(usage.get("completion_tokens") or 0)
+    else:
+        result.output_tokens = len(parts)
+    result.success = True
+    return result
+
+
+async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[str, float]]:
+    """The `data:` payloads of a server-sent-event stream, each with the time its bytes arrived."""
+    buffer = b""
+    async for piece in resp.content.iter_any():
+        arrived = time.perf_counter()
+        buffer += piece
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            text = line.decode("utf-8").rstrip("\r")
+            if text.startswith("data:"):
+                yield text[5:].strip(), arrived
+    if buffer.startswith(b"data:"):
+        yield buffer.decode("utf-8")[5:].strip(), time.perf_counter()
+
+
+def open_session(max_concurrency: int | None) -> aiohttp.ClientSession:
+    # NOTE: aiohttp's default pool caps connections at 100, which would silently cap concurrency: size it to ours.
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
+
+
+async def get_text(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> str:
+    async with session.get(url, headers=headers) as resp:
+        text = await resp.text()
+        if resp.status != 200:
+            raise DSparkError(f"GET {url}: HTTP {resp.status}: {text[:ERROR_TEXT_CHARS]}")
+        return text
+
+
+async def first_model(session: aiohttp.ClientSession, root: str, api_key: str | None) -> str:
+    """The first model the server lists at /v1/models (what --model defaults to)."""
+    url = root + "/v1/models"
+    try:
+        listing = json.loads(await get_text(session, url, auth_headers(api_key)))
+        return str(listing["data"][0]["id"])
+    except aiohttp.ClientError as e:
+        raise DSparkError(f"cannot reach the server at {root} ({type(e).__name__}: {e}); is it running?") from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise DSparkError(f"{url} lists no model; pass --model") from None
+
+
+async def fetch_metrics(session: aiohttp.ClientSession, root: str, api_key: str | None) -> str | None:
+    """The server's /metrics text, or None when it has none (then the result has no spec-decode fields)."""
+    try:
+        return await get_text(session, root + "/metrics", auth_headers(api_key))
+    except (aiohttp.ClientError, TimeoutError, DSparkError):
+        return None
+
+
+def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
+    """When each request is due, in seconds after the start: all at once for an infinite rate, else a Poisson process
+    (exponential gaps of mean 1 / rate) drawn from the seed, the first request at 0."""
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for i in range(num_requests):
+        if i:
+            t += rng.expovariate(request_rate)
+        offsets.append(t)
+    return offsets
+
+
+@dataclass
+class Run:
+    results: list[RequestResult]  # in input order
+    duration: float  # seconds from the first request due to the last one finished
+    max_in_flight: int  # most requests the client had open at once
+
+
+async def run_requests(
+    session: aiohttp.ClientSession,
+    endpoint: Endpoint,
+    inputs: list[RequestInput],
+    *,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    desc: str = "requests",
+    progress: bool = True,
+) -> Run:
+    """Send every input, each when its arrival time comes and a concurrency slot is free; wait for all."""
+    check_load(max_concurrency, request_rate)
+    offsets = arrival_offsets(len(inputs), request_rate, seed)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    bar = tqdm(total=len(inputs), desc=desc, unit="req", file=sys.stderr, disable=not progress)
+    in_flight = max_in_flight = 0
+    start = time.perf_counter()
+
+    async def one(req: RequestInput) -> RequestResult:
+        nonlocal in_flight, max_in_flight
+        async with slots:
+            in_flight += 1
+            max_in_flight = max(max_in_flight, in_flight)
+            try:
+                return await send_request(session, endpoint, req)
+            finally:
+                in_flight -= 1
+                bar.update(1)
+
+    tasks = []
+    for req, offset in zip(inputs, offsets, strict=True):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(req)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    bar.close()
+    return Run(list(results), duration, max_in_flight)
+
+
+def check_load(max_concurrency: int | None, request_rate: float) -> None:
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ConfigError("max_concurrency", max_concurrency, "a positive integer (or leave it out: no limit)")
+    if not request_rate > 0:
+        raise ConfigError("request_rate", request_rate, "requests per second > 0, or inf: all at once")
+
+
+# ---- command line -------------------------------------------------------------------------------------------------
+
+
+def add_server_args(parser: argparse.ArgumentParser, *, max_concurrency: int | None = None) -> None:
+    """The flags that name the server and how to talk to it, shared by `bench serve` and `eval`."""
+    g = parser.add_argument_group("server")
+    g.add_argument(
+        "--backend", choices=list(BACKENDS), default="openai", help="completions or chat API (default: %(default)s)"
+    )
+    g.add_argument("--base-url", metavar="URL", help="the server root, e.g. http://127.0.0.1:8000 (a /v1 is dropped)")
+    g.add_argument("--host", default="127.0.0.1", help="without --base-url (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="without --base-url (default: %(default)s)")
+    g.add_argument(
+        "--endpoint", metavar="PATH", help="the route (default: /v1/completions, or /v1/chat/completions for chat)"
+    )
+    g.add_argument("--model", metavar="NAME", help="the model name to send (default: the first in /v1/models)")
+    g.add_argument("--api-key", metavar="KEY", help="sent as a bearer token (default: $OPENAI_API_KEY, else none)")
+    g.add_argument(
+        "--max-concurrency",
+        metavar="C",
+        type=int,
+        default=max_concurrency,
+        help="most requests in flight at once (default: %s)" % (max_concurrency or "no limit"),
+    )
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+async def endpoint_from_args(session: aiohttp.ClientSession, args: argparse.Namespace) -> Endpoint:
+    """The Endpoint the flags name; asks the server for its model when --model is not given."""
+    root = server_root(args.base_url, args.host, args.port)
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
+    model = args.model or await first_model(session, root, api_key)
+    return Endpoint(root, args.backend, args.endpoint or BACKENDS[args.backend], model, api_key)

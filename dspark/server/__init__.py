@@ -1,0 +1,1 @@
+"""`dspark serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine thread."""

@@ -1,0 +1,157 @@
+"""The FastAPI app: routes, API-key check, and the reading of request bodies.
+
+Bodies are read and parsed here rather than by FastAPI, so that each way a body can be wrong gets its own answer:
+413 past the size limit (from Content-Length, and again while reading, for a body that lies about its length or has
+none), 400 for bytes that are not UTF-8, for text that is not JSON, for JSON that is not an object, and for fields
+of the wrong type (protocol.py). /v1/* needs the API key when one is set; /health, /version and /metrics stay open,
+as in vLLM, for load balancers and scrapers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from dspark import __version__
+from dspark.engine.engine import LLMEngine
+from dspark.errors import ConfigError
+from dspark.server.async_engine import AsyncEngine
+from dspark.server.chat import create_chat_completion
+from dspark.server.completions import create_completion
+from dspark.server.errors import APIError, error_response, from_validation_error, install_handlers
+from dspark.server.metrics import CONTENT_TYPE, ServerMetrics
+from dspark.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from dspark.server.serving import ServedModel
+
+MAX_BODY_BYTES = 16 << 20
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def build_app(
+    engine: LLMEngine,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """An app serving `engine` under `served_model_names` (the first is the default). The engine thread starts with
+    the app's lifespan and stops with it; the app owns the engine from then on."""
+    if not served_model_names:
+        raise ConfigError("served_model_name", served_model_names, "at least one name")
+    async_engine = AsyncEngine(engine)
+    served = ServedModel(async_engine, ServerMetrics(async_engine), list(dict.fromkeys(served_model_names)))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        await async_engine.shutdown()
+
+    app = FastAPI(title="dspark", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_handlers(app)
+
+    async def body_of(request: Request, model: type[Body]) -> Body:
+        try:
+            return model.model_validate(await _read_json(request, max_body_bytes))
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.alive:
+            return error_response(503, "the engine is not running; the server log says why")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.metrics.render(), media_type=CONTENT_TYPE)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(api_key))])
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        cards = [
+            ModelCard(id=name, created=created, root=engine.config.model, max_model_len=engine.max_model_len)
+            for name in served.names
+        ]
+        return ModelList(data=cards).model_dump()
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(served, await body_of(request, CompletionRequest), request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(served, await body_of(request, ChatCompletionRequest), request)
+
+    app.include_router(v1)
+    return app
+
+
+def _key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    expected = api_key.encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(
+                401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+        # NOTE: constant time, so the answer's timing says nothing about how much of a guessed key was right.
+        if not hmac.compare_digest(token.strip().encode(), expected):
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+
+    return check
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise APIError(400, f"Content-Length {length!r} is not a byte count")
+        if int(length) > limit:
+            raise _too_large(f"Content-Length is {length}", limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(f"more than {limit} bytes were sent", limit)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(
+            400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})", code="invalid_body"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(
+            400, f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", code="invalid_json"
+        ) from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    return data
+
+
+def _too_large(what: str, limit: int) -> APIError:
+    return APIError(
+        413, f"the request body is too large ({what}); the limit is {limit} bytes", code="request_too_large"
+    )

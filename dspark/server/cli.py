@@ -1,0 +1,135 @@
+"""`dspark serve`: the OpenAI-compatible server on the command line, with the engine flags of the other commands.
+
+The port is bound before the model loads, so a port in use or a host that does not resolve is one error line at once,
+not after a minute of loading. FastAPI and uvicorn are imported only when the command runs (`dspark --help` stays
+fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from dspark.cli import add_engine_args, engine_config
+from dspark.errors import ConfigError
+from dspark.models.registry import DEFAULT_MODEL
+
+logger = logging.getLogger("dspark")
+
+API_KEY_ENV = "DSPARK_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+SERVE_EPILOG = """\
+examples:
+  dspark serve                                    # the default model on http://127.0.0.1:8000/v1
+  dspark serve path/to/hf-model --port 8001 --api-key "$KEY"
+  dspark serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "smollm2-135m-instruct", "prompt": "The capital of France is", "max_tokens": 16}'
+"""
+
+
+def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+    """Register `serve` on dspark's commands (cli.py passes its own formatter)."""
+    p = subparsers.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /metrics",
+        description="Serve one model over HTTP with OpenAI's API (streaming included), speculative decoding and\n"
+        "adaptive verification as configured, and Prometheus metrics under vLLM's names with the dspark: prefix.",
+        epilog=SERVE_EPILOG,
+        formatter_class=formatter_class,
+    )
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model to serve (the same as --model)")
+    g = p.add_argument_group("server")
+    g.add_argument(
+        "--host", default="127.0.0.1", help="address to bind; 0.0.0.0 for every interface (default: %(default)s)"
+    )
+    g.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    g.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set, else no key)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the names requests may give as `model` (default: the model as given, and its last path component)",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        metavar="N",
+        type=int,
+        default=16 << 20,
+        help="largest request body accepted; larger ones get 413 (default: %(default)s, 16 MiB)",
+    )
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default: %(default)s)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def served_model_names(model: str, names: list[str] | None) -> list[str]:
+    if names:
+        return list(dict.fromkeys(names))
+    return list(dict.fromkeys([model, Path(model).name]))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from dspark.engine.engine import LLMEngine
+    from dspark.server.app import build_app
+
+    if args.model_tag is not None:
+        if args.model not in (DEFAULT_MODEL, args.model_tag):
+            raise ConfigError("model", args.model_tag, f"given twice (and --model {args.model}); give it once")
+        args.model = args.model_tag
+    if not 0 <= args.port <= 65535:
+        raise ConfigError("port", args.port, "must be in [0, 65535]")
+    if args.max_request_bytes < 1:
+        raise ConfigError("max_request_bytes", args.max_request_bytes, "must be a positive integer")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    config = engine_config(args)  # validated before the port is taken or the model loads
+    sock = _bind(args.host, args.port)
+    engine = LLMEngine(config)
+    names = served_model_names(args.model, args.served_model_name)
+    app = build_app(engine, names, api_key=api_key, max_body_bytes=args.max_request_bytes)
+    host, port = sock.getsockname()[:2]
+    logger.info(
+        "dspark serve: http://%s:%d/v1 serving %s%s",
+        f"[{host}]" if ":" in host else host,
+        port,
+        ", ".join(names),
+        " (API key required)" if api_key else "",
+    )
+    # NOTE: a stream still running at shutdown gets 10 s to finish before uvicorn cancels it (its request is aborted).
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again: a normal stop here
+        pass
+    logger.info("dspark serve: stopped")
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError("host", host, f"cannot be resolved ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ConfigError("port", port, f"cannot bind {host}:{port} ({e.strerror})") from None
+    sock.listen(2048)
+    return sock

@@ -1,0 +1,52 @@
+"""The engine's per-token logprobs ({token id: Logprob(logprob, rank, decoded_token)}, the sampled token first, then
+the top N) in OpenAI's two response shapes."""
+
+from __future__ import annotations
+
+from dspark.engine.request import Logprob
+from dspark.server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, text_offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy completions shape: per token its text, logprob, and a {text: logprob} dict of the top `num_top`
+    plus the sampled token (so up to num_top + 1 entries, as OpenAI documents). Returns the offset after the last
+    token too, for the next chunk of a stream."""
+    out = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        sampled = entry[token_id]
+        text = _text(sampled)
+        out.tokens.append(text)
+        out.token_logprobs.append(sampled.logprob)
+        top = {_text(lp): lp.logprob for lp in _top(entry, num_top)}
+        top.setdefault(text, sampled.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+    return out, text_offset
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> list[TokenLogprob]:
+    """The chat shape: per token its text, logprob, UTF-8 bytes, and exactly the top `num_top` alternatives."""
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        sampled = entry[token_id]
+        top = [TopLogprob(token=_text(lp), logprob=lp.logprob, bytes=_bytes(lp)) for lp in _top(entry, num_top)]
+        content.append(
+            TokenLogprob(token=_text(sampled), logprob=sampled.logprob, bytes=_bytes(sampled), top_logprobs=top)
+        )
+    return content
+
+
+def _top(entry: dict[int, Logprob], num_top: int) -> list[Logprob]:
+    # NOTE: the sampled token keeps its own rank in the entry, so ranks <= num_top are exactly the top alternatives.
+    return sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank)[:num_top]
+
+
+def _text(lp: Logprob) -> str:
+    return lp.decoded_token or ""
+
+
+def _bytes(lp: Logprob) -> list[int]:
+    return list(_text(lp).encode("utf-8"))

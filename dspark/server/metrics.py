@@ -1,0 +1,222 @@
+"""/metrics: Prometheus text under vLLM's names with the `dspark:` prefix (DESIGN.md section 7).
+
+Two sources. The engine's own counters and gauges (requests running and waiting, KV-cache usage, tokens, the
+spec-decode counters and the adaptive-verification metrics of spec/planner.py) are read at scrape time from the
+snapshot the engine thread takes after every step, by a custom collector: nothing here ever touches the engine.
+Per-request histograms (TTFT, end-to-end latency, time per output token) and the finished-request counter are observed
+by the handlers when a request ends. Each server has its own CollectorRegistry, so a process can hold several apps
+(the tests do).
+
+Engine metrics this file does not know by name still appear, as gauges named `dspark:<key>`, so a metric the planner
+gains later is exported without an edit here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dspark.outputs import RequestOutput
+from dspark.server.async_engine import AsyncEngine
+
+PREFIX = "dspark:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# get_metrics() key -> (name, help). Counters get `_total` appended by the exposition.
+COUNTERS = {
+    "num_prompt_tokens": ("prompt_tokens", "Prompt tokens added to the engine."),
+    "num_generation_tokens": ("generation_tokens", "Tokens generated (aborted requests' included)."),
+    "num_requests_finished": ("num_requests_finished", "Requests that ended by stop or length."),
+    "num_requests_aborted": ("num_requests_aborted", "Requests aborted (client gone, engine failure, refused adds)."),
+    "num_preemptions": ("num_preemptions", "Requests preempted to free KV-cache blocks."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served by the prefix cache."),
+    "num_steps": ("engine_steps", "Engine steps run."),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Request-steps that verified drafts (vLLM's count)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    "spec_decode_plan_ms_total": ("spec_decode_plan_ms", "Milliseconds spent planning adaptive verification."),
+    "spec_decode_num_steps_without_drafting": (
+        "spec_decode_num_steps_without_drafting",
+        "Steps where adaptive verification skipped drafting (it would not have paid).",
+    ),
+    "spec_decode_regime_explorations": (
+        "spec_decode_regime_explorations",
+        "Bursts spent measuring the regime (drafting or not) that adaptive verification was not following.",
+    ),
+    "spec_decode_predicted_accepted_tokens": (
+        "spec_decode_predicted_accepted_tokens",
+        "Accepted drafts the survivals predicted, over the drafts verified.",
+    ),
+    "spec_decode_realised_accepted_tokens": (
+        "spec_decode_realised_accepted_tokens",
+        "Accepted drafts, over the same drafts as the prediction.",
+    ),
+}
+GAUGES = {
+    "num_requests_running": ("num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full), as vLLM's."),
+    "kv_num_blocks": ("kv_cache_num_blocks", "KV-cache blocks."),
+    "kv_num_used_blocks": ("kv_cache_num_used_blocks", "KV-cache blocks in use."),
+    "spec_decode_mean_acceptance_length": (
+        "spec_decode_mean_acceptance_length",
+        "1 + accepted / drafts, since start.",
+    ),
+    "spec_decode_verify_budget_mean": (
+        "spec_decode_verify_budget_mean",
+        "Drafts adaptive verification chose to verify per planned step, mean since start.",
+    ),
+    "spec_decode_calibration_error": (
+        "spec_decode_calibration_error",
+        "Expected calibration error of the survivals of verified drafts.",
+    ),
+    "spec_decode_cost_model_error": (
+        "spec_decode_cost_model_error",
+        "(predicted - measured) / measured step time of the profiled cost curves, mean over steps.",
+    ),
+    "spec_decode_cost_model_abs_error": ("spec_decode_cost_model_abs_error", "As above, of its absolute value."),
+    "spec_decode_refined_cost_model_error": (
+        "spec_decode_refined_cost_model_error",
+        "(predicted - measured) / measured step time with the online overhead term planning uses.",
+    ),
+    "spec_decode_refined_cost_model_abs_error": (
+        "spec_decode_refined_cost_model_abs_error",
+        "As above, of its absolute value.",
+    ),
+    "spec_decode_cost_model_overhead_ms": (
+        "spec_decode_cost_model_overhead_ms",
+        "Per-step overhead (ms) the online cost model adds to the profiled curves.",
+    ),
+}
+# get_metrics() lists -> (name, label of the index, help)
+LABELLED_COUNTERS = {
+    "spec_decode_num_accepted_tokens_per_pos": (
+        "spec_decode_num_accepted_tokens_per_pos",
+        "position",
+        "Drafts accepted at each position (0: the first draft).",
+    ),
+    "spec_decode_verify_len_hist": (
+        "spec_decode_verify_len",
+        "num_verified",
+        "Request-steps that verified this many drafts (adaptive verification's choice).",
+    ),
+}
+
+# Latency buckets in seconds: CPU steps take milliseconds to a second, GPU steps a fraction of a millisecond.
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.success = Counter(
+            PREFIX + "request_success",
+            "Requests finished, by finish reason (stop, length; abort: the client went away or the engine failed).",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Arrival to finish.", buckets=E2E_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Per request: (finish - first token) / (output tokens - 1).",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens", "Prompt tokens per request.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens", "Output tokens per request.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        r.register(_EngineCollector(engine))
+
+    def finished(self, out: RequestOutput) -> None:
+        """One finished request's latencies, from the engine's own timestamps."""
+        m = out.metrics
+        self.success.labels(out.outputs[0].finish_reason or "unknown").inc()
+        self.prompt_tokens.observe(m.num_prompt_tokens)
+        self.generation_tokens.observe(m.num_generation_tokens)
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is not None and m.finished_time is not None and m.num_generation_tokens > 1:
+            self.tpot.observe((m.finished_time - m.first_token_time) / (m.num_generation_tokens - 1))
+
+    def aborted(self, num_requests: int) -> None:
+        if num_requests:
+            self.success.labels("abort").inc(num_requests)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.engine.metrics()
+        yield CounterMetricFamily(
+            PREFIX + "engine_step_errors",
+            "Engine steps that raised (their requests failed; the log has the tracebacks).",
+            value=self.engine.num_step_errors,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "engine_alive", "1 while the engine thread runs, 0 once it has stopped.", value=self.engine.alive
+        )
+        for key, value in snapshot.items():
+            yield from _families(key, value)
+
+
+def _families(key: str, value: Any) -> Iterator[Metric]:
+    if key in COUNTERS:
+        name, text = COUNTERS[key]
+        yield CounterMetricFamily(PREFIX + name, text, value=value)
+    elif key in LABELLED_COUNTERS:
+        name, label, text = LABELLED_COUNTERS[key]
+        family = CounterMetricFamily(PREFIX + name, text, labels=[label])
+        for i, count in enumerate(value):
+            family.add_metric([str(i)], count)
+        yield family
+    elif key == "adaptive_verification_mode":
+        family = GaugeMetricFamily(
+            PREFIX + "spec_decode_adaptive_verification_info", "Adaptive verification's mode (1).", labels=["mode"]
+        )
+        family.add_metric([str(value)], 1)
+        yield family
+    elif key == "spec_decode_regime_tokens_per_ms":  # {load level: {"spec" | "plain": tokens per ms}}
+        family = GaugeMetricFamily(
+            PREFIX + "spec_decode_regime_tokens_per_ms",
+            "Measured tokens per ms of steady drafting (spec) and plain steps, per load level.",
+            labels=["level", "regime"],
+        )
+        for level, rates in value.items():
+            for regime, rate in rates.items():
+                family.add_metric([str(level), str(regime)], rate)
+        yield family
+    elif key in GAUGES or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        name, text = GAUGES.get(key, (key, f"engine.get_metrics()[{key!r}]."))
+        family = GaugeMetricFamily(PREFIX + name, text)
+        if isinstance(value, (int, float)):
+            family.add_metric([], value)
+        yield family

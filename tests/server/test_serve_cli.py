@@ -1,0 +1,89 @@
+"""`dspark serve` on the command line: help, bad flags as one error line (before any model loads), and a real server
+process that answers with its API key and served names, then stops cleanly on Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from dspark.cli import main
+from dspark.server.cli import served_model_names
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dspark serve") and "examples:" in out and "--speculative-config" in out
+    assert main(["--help"]) == 0
+    assert "serve" in capsys.readouterr().out
+
+
+def test_bad_flags_are_one_line_before_loading(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        cases = [
+            (["--port", "70000"], "port=70000"),
+            (["--port", str(taken.getsockname()[1])], "cannot bind"),
+            (["--host", "no-such-host.invalid"], "host="),
+            (["--speculative-config", '{"method": "magic"}'], "speculative_config.method"),
+            (["--max-request-bytes", "0"], "max_request_bytes"),
+            (["--model", "other-model"], "given twice"),
+        ]
+        for flags, needle in cases:
+            assert main(["serve", str(tiny_llama), *flags]) == 2, flags
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (flags, err)
+    finally:
+        taken.close()
+
+
+def test_default_served_names() -> None:
+    assert served_model_names("/models/tiny-llama", None) == ["/models/tiny-llama", "tiny-llama"]
+    assert served_model_names("smollm2-135m-instruct", None) == ["smollm2-135m-instruct"]
+    assert served_model_names("x/y", ["a", "b", "a"]) == ["a", "b"]
+
+
+def test_serve_process_answers_and_stops_on_ctrl_c(tiny_llama: Path) -> None:
+    flags = ["--port", "0", "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256"]
+    flags += ["--served-model-name", "tiny", "alias", "--log-level", "warning"]
+    env = {**os.environ, "DSPARK_API_KEY": "k3y"}  # the key from the environment, not the command line
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dspark", "serve", str(tiny_llama), *flags],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        url = None
+        while url is None:
+            line = lines.get(timeout=120)
+            found = re.search(r"dspark serve: (http://127\.0\.0\.1:\d+)/v1 serving tiny, alias \(API key", line)
+            url = found.group(1) if found else None
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+            assert json.load(r) == {"status": "ok"}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k3y", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny", "alias"]
+        out = client.completions.create(model="alias", prompt="hello", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens == 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
