@@ -68,14 +68,14 @@ elif [ "$PHASE" = serve ]; then
   for arm in no-spec fixed-7 adaptive; do
     spec=()
     [ -n "${CFG[$arm]}" ] && spec=(--speculative-config "${CFG[$arm]}")
-    CUDA_VISIBLE_DEVICES=0 python -m dspark serve --device cuda --port 8123 --max-num-seqs 256 \
+    CUDA_VISIBLE_DEVICES=0 python -m dspark serve --device "${DEVICE:-cuda}" --port 8123 --max-num-seqs 256 \
       --gpu-memory-utilization 0.6 "${spec[@]}" > "$OUT/serve-$arm.log" 2>&1 &
     pid=$!
     for _ in $(seq 240); do curl -sf http://127.0.0.1:8123/health > /dev/null && break; sleep 0.5; done
-    for c in 1 16 256; do
+    for c in ${SERVE_CONCS:-1 16 256}; do
       n=$((c < 16 ? 16 : c))
       timeout 120 python -m dspark bench serve --base-url http://127.0.0.1:8123 --dataset-name gsm8k \
-        --dataset-path "$GSM" --num-prompts "$n" --max-concurrency "$c" --output-len 256 --ignore-eos \
+        --dataset-path "$GSM" --num-prompts "$n" --max-concurrency "$c" --output-len "${SERVE_LEN:-256}" --ignore-eos \
         --temperature 0 --disable-tqdm --save-result --result-dir "$OUT" --result-filename "serve-$arm-c$c.json" \
         2>&1 | grep -i "throughput\|acceptance length\|failed\|error" | sed "s/^/$arm C=$c /"
     done
