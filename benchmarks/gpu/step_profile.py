@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import gc
 import json
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -41,7 +43,7 @@ def wrap(obj: object, name: str, label: str, acc: collections.Counter[str]) -> N
     setattr(obj, name, timed)
 
 
-def profile(name: str, device: str, concurrency: int, steps: int) -> dict[str, Any]:
+def profile(name: str, device: str, concurrency: int, steps: int, cprofile: int = 0) -> dict[str, Any]:
     # A fixed KV cache: engines built one after another in one process must not size it from memory still held.
     llm = LLM(
         device=device,
@@ -61,6 +63,18 @@ def profile(name: str, device: str, concurrency: int, steps: int) -> dict[str, A
     wrap(engine.runner, "execute", "execute", acc)
     wrap(engine.runner, "propose", "propose", acc)
     wrap(engine, "_process", "process", acc)
+    eager = collections.Counter()  # steps the CUDA graphs did not cover, by (tokens, requests, max query length)
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        pick = graphs.pick
+
+        def counted_pick(num_tokens: int, num_reqs: int, max_query_len: int) -> tuple[int, int] | None:
+            key = pick(num_tokens, num_reqs, max_query_len)
+            if key is None:
+                eager[f"{num_tokens}/{num_reqs}/{max_query_len}"] += 1
+            return key
+
+        graphs.pick = counted_pick  # type: ignore[method-assign]
     if engine.planner is not None:
         for fn in ("plan", "record", "should_draft", "observe", "step_started", "step_finished"):
             wrap(engine.planner, fn, f"planner.{fn}", acc)
@@ -70,6 +84,9 @@ def profile(name: str, device: str, concurrency: int, steps: int) -> dict[str, A
     # Each step's wall time by kind: "verify+draft", "plain" (neither), or "switch" (one of the two): an adaptive
     # engine's plain steps should cost what a no-spec step costs.
     by_kind: dict[str, list[float]] = collections.defaultdict(list)
+    profiler = cProfile.Profile() if cprofile else None
+    if profiler is not None:
+        profiler.enable()
     start = time.perf_counter()
     for _ in range(steps):
         proposed, drafts = acc["propose"], engine.stats["spec_decode_num_drafts"]
@@ -81,10 +98,14 @@ def profile(name: str, device: str, concurrency: int, steps: int) -> dict[str, A
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
+    if profiler is not None:  # where the host's time went (the wall times above include the profiler's overhead)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(cprofile)
     tokens = engine.get_metrics()["num_generation_tokens"] - generated
     phases = {k: v / steps * 1e3 for k, v in acc.most_common()}
     phases["other"] = wall / steps * 1e3 - sum(phases.values())  # the rest of step(): bookkeeping, drafting's own
     row = {"config": name, "concurrency": concurrency, "step_ms": wall / steps * 1e3, "tokens_per_s": tokens / wall}
+    row["eager_steps"] = dict(eager)
     row["steps_by_kind"] = {k: {"count": len(v), "median_ms": statistics.median(v)} for k, v in by_kind.items()}
     del llm, engine
     gc.collect()
@@ -100,16 +121,17 @@ def main() -> None:
     parser.add_argument("--config", nargs="+", default=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the top N host functions")
     args = parser.parse_args()
     rows = []
     for name in args.config:
         for c in args.concurrency:
-            row = profile(name, args.device, c, args.steps)
+            row = profile(name, args.device, c, args.steps, args.cprofile)
             rows.append(row)
             phases = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
             kinds = ", ".join(f"{k} {v['count']}x {v['median_ms']:.2f}" for k, v in row["steps_by_kind"].items())
             print(f"{name} C={c}: {row['step_ms']:.2f} ms/step, {row['tokens_per_s']:.0f} tok/s | {phases}", flush=True)
-            print(f"{name} C={c}: median step by kind: {kinds}", flush=True)
+            print(f"{name} C={c}: median step by kind: {kinds}; eager steps {row['eager_steps']}", flush=True)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)

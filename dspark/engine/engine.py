@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -83,6 +84,12 @@ class LLMEngine:
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        if self.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
+            # NOTE: with the model on the GPU, the host's tensor work is small ([R, K] survivals, sampling rows), and a
+            # pool of CPU threads per op only adds wake-ups and contention with other processes (vLLM's workers do
+            # the same). OMP_NUM_THREADS set by the user wins.
+            logger.info("CUDA engine: torch CPU threads %d -> 1 (OMP_NUM_THREADS overrides)", torch.get_num_threads())
+            torch.set_num_threads(1)
         path = resolve_model(config.model)
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else path)
         self.model = load_model(path, self.dtype, self.device)

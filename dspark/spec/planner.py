@@ -287,13 +287,18 @@ class VerificationPlanner:
         assert self.cost is not None
         self._harvest()
         n = len(request_ids)
-        cached = self._pays_cache.get(n)
-        if cached is None or cached[1] <= 0:
+
+        def model_says() -> bool:
             # NOTE: the cost model's answer moves slowly (stale survivals, the load); recomputed every few steps at a
-            # load, it costs ~1% of a small step instead of ~30% (host tensor work on [R, K]).
-            cached = (drafting_pays(self._stale_rows(self._rows(request_ids)), n, self.cost), PAYS_REUSE)
-        self._pays_cache[n] = (cached[0], cached[1] - 1)
-        pays = self.regime.choose(n, cached[0])
+            # load, it costs ~1% of a small step instead of ~30% (host tensor work on [R, K]). The regime asks only
+            # when its measurements leave the choice open.
+            cached = self._pays_cache.get(n)
+            if cached is None or cached[1] <= 0:
+                cached = (drafting_pays(self._stale_rows(self._rows(request_ids)), n, self.cost), PAYS_REUSE)
+            self._pays_cache[n] = (cached[0], cached[1] - 1)
+            return cached[0]
+
+        pays = self.regime.choose(n, model_says)
         self.num_steps_without_drafting += not pays
         return pays
 

@@ -60,3 +60,25 @@ def test_exploring_a_much_slower_regime_costs_at_most_about_one_percent() -> Non
     assert 0 < sum(late)  # still revisited
     lost = sum(late) * (1 / 0.3 - 1)  # plain steps' worth of time the spec steps cost beyond plain ones
     assert lost < 0.01 * len(late)
+
+
+def test_the_model_is_asked_only_when_the_measurements_leave_the_choice_open() -> None:
+    """Its answer costs host time at high load; once both regimes are measured and one is clearly faster, it is not
+    computed at all."""
+    chooser = RegimeChooser()
+    asked = []
+
+    def model() -> bool:
+        asked.append(True)
+        return False
+
+    for _ in range(FIRST_PERIOD + 40):  # plain, then a spec burst that measures spec at a third of plain's rate
+        drafted = chooser.choose(16, model)
+        chooser.observe(16, drafted, drafted, 16, 16 / (0.3 if drafted else 1.0))
+    before = len(asked)
+    for _ in range(50):
+        assert not chooser.choose(16, model)
+    assert len(asked) == before  # measured: plain is 3x faster, nothing to ask
+    tie = RegimeChooser()
+    tie.choose(16, model)
+    assert len(asked) == before + 1  # nothing measured yet: the model decides

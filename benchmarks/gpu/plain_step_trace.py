@@ -1,0 +1,73 @@
+"""Why a plain step (no drafts verified, none drafted) of an adaptive engine costs more than a no-spec step: both
+engines decode C requests in steady state, the adaptive one held in its plain regime, under torch.profiler.
+
+    python benchmarks/gpu/plain_step_trace.py --concurrency 512 --steps 20
+
+Prints per configuration the wall time per step, the device time per step, and the operators with the most device
+and host time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dspark import LLM, SamplingParams
+
+CONFIGS = {"no-spec": None, "adaptive": {"method": "dspark", "num_speculative_tokens": 7}}
+
+
+def trace(name: str, concurrency: int, steps: int, top: int) -> None:
+    llm = LLM(
+        device="cuda",
+        max_num_seqs=concurrency,
+        max_model_len=2048,
+        num_kv_blocks=max(8192, concurrency * 48),
+        speculative_config=CONFIGS[name],
+    )
+    engine = llm.engine
+    if engine.planner is not None:  # the plain regime: never draft
+        engine.planner.regime.choose = lambda n, model_says: False  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=steps * 4 + 64, ignore_eos=True, output_kind="final_only")
+    for i in range(concurrency):
+        engine.add_request(f"Question {i}: explain how a bicycle stays upright.", params)
+    for _ in range(16):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) / steps
+    print(f"== {name} C={concurrency}: {wall:.2f} ms/step wall (unprofiled), {device_us / 1e3:.2f} ms/step on device")
+    print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[512])
+    parser.add_argument("--config", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    for c in args.concurrency:
+        for name in args.config:
+            trace(name, c, args.steps, args.top)
+
+
+if __name__ == "__main__":
+    main()
