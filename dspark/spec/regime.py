@@ -7,11 +7,13 @@ drafting pays but plain steps are in fact faster (or the reverse), the engine sh
 load level (requests emitting a token, in powers of two) keeps an exponential average of tokens/ms for steady steps of
 each regime: "spec" steps verified drafts and drafted again, "plain" steps did neither (a step that switches regime is
 neither). Once both are known the faster wins (a 3% margin keeps the model's choice on a near tie); until then, and
-between measurements, the model decides. Every so often the other regime runs for a short burst to keep its figure
-fresh, at first soon and then more rarely (8 steps, doubling), so a level costs a few steps of the slower regime to
-learn. Once both rates are known the bursts are also spaced by how much slower the other regime is, so that they cost
-at most 1% of the time between them: on the H200 a drafting step of a weak drafter took 2.5-4x a plain one, and
-bursts every 256 steps cost 2-4% of throughput, more than the whole margin adaptive verification is allowed.
+between measurements, the model decides, except that a level not measured yet starts from its nearest measured
+neighbour's verdict where that transfers (plain measured faster at a lower load, or drafting at a higher one). Every
+so often the other regime runs for a short burst to keep its figure fresh, at first soon and then more rarely (8
+steps, doubling), so a level costs a few steps of the slower regime to learn. Once both rates are known the bursts are
+also spaced by how much slower the other regime is, so that they cost at most 1% of the time between them: on the H200
+a drafting step of a weak drafter took 2.5-4x a plain one, and bursts every 256 steps cost 2-4% of throughput, more
+than the whole margin adaptive verification is allowed.
 
 The choice reads only past measurements and the load, never a draft, so verification stays lossless.
 """
@@ -61,7 +63,8 @@ class RegimeChooser:
                 spec, plain = lv.rate[True], lv.rate[False]
                 choice = spec > plain * (1 + MARGIN) or (spec * (1 + MARGIN) >= plain and ask())
             else:
-                choice = ask()
+                inherited = self._neighbour_verdict(self.level(num_requests))
+                choice = ask() if inherited is None else inherited
             other = not choice
             if lv.since[other] >= lv.period:
                 lv.burst, lv.burst_regime = BURST - 1, other
@@ -71,6 +74,21 @@ class RegimeChooser:
         lv.since[choice] = 0
         lv.since[not choice] += 1
         return choice
+
+    def _neighbour_verdict(self, level: int) -> bool | None:
+        """For a level not measured yet: plain if a lower load measured plain clearly faster, drafting if a higher load
+        measured drafting clearly faster (verification only gets dearer with load), else None (ask the model). A level
+        then starts with the regime its neighbour measured instead of the model's first steps; on the H200 those cost
+        ~8 drafting steps per load level that the model wrongly favoured."""
+        for other in sorted(self.levels, key=lambda lvl: abs(lvl - level)):
+            rate = self.levels[other].rate
+            if other == level or len(rate) < 2:
+                continue
+            if other < level and rate[False] > rate[True] * (1 + MARGIN):
+                return False
+            if other > level and rate[True] > rate[False] * (1 + MARGIN):
+                return True
+        return None
 
     @staticmethod
     def _spacing(lv: _Level) -> int:

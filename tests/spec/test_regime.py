@@ -82,3 +82,20 @@ def test_the_model_is_asked_only_when_the_measurements_leave_the_choice_open() -
     tie = RegimeChooser()
     tie.choose(16, model)
     assert len(asked) == before + 1  # nothing measured yet: the model decides
+
+
+def test_a_new_load_level_starts_from_a_lower_level_where_plain_won() -> None:
+    """Plain measured faster at a low load carries up to a higher one (verifying only gets dearer with load), so the
+    new level does not first draft for the model's sake; the reverse direction does not carry."""
+    chooser = RegimeChooser()
+    _run(chooser, 200, model_says=True, spec_rate=0.4, plain_rate=1.0)  # level of 16 requests: plain wins
+    asked = []
+
+    def model() -> bool:
+        asked.append(True)
+        return True
+
+    assert not chooser.choose(200, model)  # a higher level: plain from the start, the model not asked
+    assert not asked
+    assert chooser.choose(4, model)  # a lower level: nothing carries down from a level where plain won
+    assert asked
