@@ -158,8 +158,10 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     if raw is not None:
         try:
             values["speculative_config"] = json.loads(raw)
-        except ValueError as e:
+        except ValueError as e:  # not JSON, or an int of more digits than Python converts
             raise ConfigError("speculative_config", raw, f"a JSON object ({e})") from None
+        except RecursionError:
+            raise ConfigError("speculative_config", raw, "a JSON object, nested less deeply") from None
     return EngineConfig(**{**values, **overrides})
 
 

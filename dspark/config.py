@@ -29,6 +29,18 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
         raise ConfigError(name, value, f"must be in [{low}, {high if high is not None else 'inf'}]")
 
 
+def _check_bool(name: str, value: object) -> None:
+    # NOTE: no truthiness: "false" or 0 from a config file would otherwise quietly mean the opposite of, or other than,
+    # what was meant.
+    if not isinstance(value, bool):
+        raise ConfigError(name, value, "true or false")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(name, value, f"one of {', '.join(choices)}")
+
+
 def _check_float(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
     try:
         finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
@@ -84,8 +96,10 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.max_speculative_tokens is not None:
             _check_int("max_speculative_tokens", self.max_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS)
-        if self.output_kind not in OUTPUT_KINDS:
-            raise ConfigError("output_kind", self.output_kind, f"one of {', '.join(OUTPUT_KINDS)}")
+        _check_choice("output_kind", self.output_kind, OUTPUT_KINDS)
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
@@ -144,8 +158,7 @@ class SpeculativeConfig:
     trace_path: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ConfigError("speculative_config.method", self.method, f"one of {', '.join(SPEC_METHODS)}")
+        _check_choice("speculative_config.method", self.method, SPEC_METHODS)
         if self.num_speculative_tokens is not None:
             _check_int(
                 "speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS
@@ -154,24 +167,11 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.model", self.model, "a drafter directory (config.json + safetensors)")
         if self.method == "ngram" and self.model is not None:
             raise ConfigError("speculative_config.model", self.model, "the 'ngram' method takes no drafter model")
-        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
-            raise ConfigError(
-                "speculative_config.draft_sample_method",
-                self.draft_sample_method,
-                f"one of {', '.join(DRAFT_SAMPLE_METHODS)}",
-            )
+        _check_choice("speculative_config.draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
         _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1, 64)
         _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 64)
-        if not isinstance(self.enable_adaptive_verification, bool):
-            raise ConfigError(
-                "speculative_config.enable_adaptive_verification", self.enable_adaptive_verification, "true or false"
-            )
-        if self.adaptive_verification_mode not in ADAPTIVE_MODES:
-            raise ConfigError(
-                "speculative_config.adaptive_verification_mode",
-                self.adaptive_verification_mode,
-                f"one of {', '.join(ADAPTIVE_MODES)}",
-            )
+        _check_bool("speculative_config.enable_adaptive_verification", self.enable_adaptive_verification)
+        _check_choice("speculative_config.adaptive_verification_mode", self.adaptive_verification_mode, ADAPTIVE_MODES)
         _check_float(
             "speculative_config.adaptive_verification_ema_alpha", self.adaptive_verification_ema_alpha, 0.0, 0.999
         )
@@ -181,7 +181,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(values) - known, key=str)  # by name: a dict made in Python may have keys of any type
         if unknown:
             raise ConfigError(
                 f"speculative_config.{unknown[0]}",
@@ -223,10 +223,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model", self.model, "a model alias, a Hugging Face directory or a .gguf file")
-        if self.dtype not in DTYPES:
-            raise ConfigError("dtype", self.dtype, f"one of {', '.join(DTYPES)}")
-        if self.device not in DEVICES:
-            raise ConfigError("device", self.device, f"one of {', '.join(DEVICES)}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ConfigError("tokenizer", self.tokenizer, "a Hugging Face directory or name (or none: the model's)")
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, DEVICES)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -236,8 +236,9 @@ class EngineConfig:
             _check_int("num_kv_blocks", self.num_kv_blocks, 1)
         _check_float("kv_cache_memory_gb", self.kv_cache_memory_gb, 0.0, 1e4, low_open=True)
         _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError("attention_backend", self.attention_backend, f"one of {', '.join(ATTENTION_BACKENDS)}")
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_bool("enforce_eager", self.enforce_eager)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_int("seed", self.seed, 0, 2**63 - 1)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             if not isinstance(self.speculative_config, dict):

@@ -14,7 +14,10 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # "stop" | "length" | "abort" | "error". As vLLM's: "error" says the engine failed this request alone (a fault while
+    # processing its output, such as a tokenizer error; the log has the traceback); its text and tokens are what it had
+    # produced until then, and the batch's other requests were not affected.
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:

@@ -169,6 +169,7 @@ class LLMEngine:
         self.stats = {
             "num_requests_finished": 0,
             "num_requests_aborted": 0,
+            "num_requests_failed": 0,
             "num_prompt_tokens": 0,
             "num_generation_tokens": 0,
             "num_steps": 0,
@@ -339,7 +340,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that produced a token or finished (for output_kind
-        "final_only", only for those that finished)."""
+        "final_only", only for those that finished).
+
+        A fault while one request's output is processed (its detokenizer, say) finishes that request alone, with
+        finish_reason "error" and its blocks freed; it is logged with its traceback. A fault of the step itself (the
+        model runner, drafting) propagates from here, leaving the requests in flight to the caller, who aborts them;
+        the engine then serves new requests."""
         sched = self.scheduler.schedule()
         for rid in sched.preempted:  # their drafts were dropped; so go the distributions they were drawn from
             self.runner.release(rid, finished=False)
@@ -383,7 +389,16 @@ class LLMEngine:
                 self.kv.cache_computed_blocks(req)
             else:
                 req.first_token_time = req.first_token_time or now
-                out = self._process(req, sampled, now)
+                try:
+                    out = self._process(req, sampled, now)
+                except Exception:
+                    # NOTE: a fault in one request's output (its detokenizer, a stop check) fails that request alone:
+                    # the batch's others already have their tokens and go on. What faults the whole step (the model
+                    # runner, drafting) is not caught, and propagates from step().
+                    if req.status.finished:  # it came while finishing the request: the engine's state is in doubt
+                        raise
+                    logger.exception("request %s failed while its output was processed", req.request_id)
+                    out = self._fail(req, now)
                 if out is not None:
                     outputs.append(out)
                 if (
@@ -511,13 +526,20 @@ class LLMEngine:
         req.stop_reason = stop
         return RequestStatus.FINISHED_STOPPED
 
+    def _fail(self, req: Request, now: float) -> RequestOutput:
+        """Finish the request with finish_reason "error", freeing its blocks; its final output carries what it had."""
+        tracked = self._tracked.pop(req.request_id)
+        self._finish(req, RequestStatus.FINISHED_ERROR, now)
+        self.stats["num_requests_failed"] += 1
+        return self._output(tracked, finished=True)
+
     def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         self.scheduler.finish(req, status)
         self.runner.release(req.request_id)
         if self.planner is not None:
             self.planner.release(req.request_id)
         req.finished_time = now or time.monotonic()
-        if status is not RequestStatus.FINISHED_ABORTED:
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.stats["num_requests_finished"] += 1
 
     def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:

@@ -2,8 +2,9 @@
 
 Bodies are read and parsed here rather than by FastAPI, so that each way a body can be wrong gets its own answer:
 413 past the size limit (from Content-Length, and again while reading, for a body that lies about its length or has
-none), 400 for bytes that are not UTF-8, for text that is not JSON, for JSON that is not an object, and for fields
-of the wrong type (protocol.py). /v1/* needs the API key when one is set; /health, /version and /metrics stay open,
+none), 400 for bytes that are not UTF-8, for text that is not JSON (or nested too deeply, or with an integer too long
+to convert), for JSON that is not an object, for lone surrogates anywhere in it, and for fields of the wrong type
+(protocol.py). /v1/* needs the API key when one is set; /health, /version and /metrics stay open,
 as in vLLM, for load balancers and scrapers.
 """
 
@@ -26,7 +27,7 @@ from dspark.errors import ConfigError
 from dspark.server.async_engine import AsyncEngine
 from dspark.server.chat import create_chat_completion
 from dspark.server.completions import create_completion
-from dspark.server.errors import APIError, error_response, from_validation_error, install_handlers
+from dspark.server.errors import APIError, error_response, from_validation_error, install_handlers, invalid
 from dspark.server.metrics import CONTENT_TYPE, ServerMetrics
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from dspark.server.serving import ServedModel
@@ -123,8 +124,9 @@ def _key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
 async def _read_json(request: Request, limit: int) -> Any:
     length = request.headers.get("content-length")
     if length is not None:
-        if not length.isdigit():
-            raise APIError(400, f"Content-Length {length!r} is not a byte count")
+        # NOTE: isascii too: str.isdigit() holds for "²", which int() refuses.
+        if not (length.isascii() and length.isdigit()):
+            raise APIError(400, f"Content-Length {length!r} is not a byte count", code="invalid_content_length")
         if int(length) > limit:
             raise _too_large(f"Content-Length is {length}", limit)
     body = bytearray()
@@ -146,9 +148,40 @@ async def _read_json(request: Request, limit: int) -> Any:
         ) from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits())
+        raise APIError(400, f"the request body has a number too long to read ({e})", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    _check_unicode(data)
     return data
+
+
+def _check_unicode(data: Any) -> None:
+    """JSON's escapes can spell lone surrogates ("\\ud800"), which are not text: the tokenizer, pydantic (in a key)
+    and the encoder of an answer that quotes them all fail on them. Refused here, wherever they are, naming where.
+    Iterative, since the body may be nested as deeply as the JSON parser allows."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                raise invalid(path, value, "must be valid Unicode (no lone surrogates)")
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", v) for i, v in reversed(list(enumerate(value))))
+        elif isinstance(value, dict):
+            for key in value:
+                if not _is_text(key):  # named with \uXXXX escapes: the answer's JSON could not carry the key itself
+                    name = f"{path}.{key.encode('utf-8', 'backslashreplace').decode()}".lstrip(".")
+                    raise invalid(name, key, "a key must be valid Unicode (no lone surrogates)")
+            stack.extend((f"{path}.{k}".lstrip("."), v) for k, v in reversed(value.items()))
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _too_large(what: str, limit: int) -> APIError:

@@ -41,7 +41,8 @@ class EngineDeadError(EngineError):
 
 class RequestGroup:
     """The engine requests of one API call (its prompts x n samples). Iterating yields (index, RequestOutput) in the
-    order the engine makes them, until every request has finished; an engine failure is raised from the iteration.
+    order the engine makes them, until every request has finished; an engine failure is raised from the iteration, as
+    is one of these requests that the engine failed alone (finish_reason "error").
     close() aborts whatever has not finished, so a handler calls it in `finally`: a client that went away frees its
     requests' KV blocks at the engine's next step."""
 
@@ -65,6 +66,8 @@ class RequestGroup:
         index, out = item
         if out.finished:
             self._unfinished.discard(index)
+            if out.outputs[0].finish_reason == "error":  # the engine failed this request alone; close() aborts the rest
+                raise EngineError(f"request {out.request_id} failed in the engine; the server log has the traceback")
         return index, out
 
     def close(self) -> int:

@@ -30,7 +30,6 @@ from dspark.server.serving import (
     EventStream,
     ServedModel,
     add,
-    check_text,
     collect,
     events,
     fan_out,
@@ -79,8 +78,6 @@ def _apply_template(served: ServedModel, body: ChatCompletionRequest) -> list[in
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("model", served.names[0], "has no chat template; use /v1/completions")
     conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-    for i, m in enumerate(conversation):
-        check_text(m["content"], f"messages.{i}.content")
     try:
         ids: Any = tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)
     except Exception as e:  # the template's own checks (roles out of order, ...) raise jinja2 errors

@@ -55,7 +55,7 @@ async def create_completion(served: ServedModel, body: CompletionRequest, reques
 
 def _prompt_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        ids = served.encode(prompt, "prompt")
+        ids = served.encode(prompt)
     else:
         vocab = served.engine.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark.errors import ConfigError
+from dspark.errors import ConfigError, shown
 from dspark.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("dspark.server")
@@ -41,7 +41,7 @@ class APIError(Exception):
 
 def invalid(param: str, value: object, allowed: str, code: str | None = None) -> APIError:
     """A 400 worded as ConfigError words its message: `param=value is invalid: allowed`."""
-    return APIError(400, f"{param}={_short(value)} is invalid: {allowed}", param, code)
+    return APIError(400, f"{param}={shown(value)} is invalid: {allowed}", param, code)
 
 
 def from_config_error(e: ConfigError, rename: dict[str, str] | None = None) -> APIError:
@@ -90,8 +90,3 @@ def install_handlers(app: FastAPI) -> None:
         # Starlette re-raises after this answer, so the server logs the traceback; this line says which request.
         logger.error("internal error answering %s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
         return error_response(500, f"internal server error ({type(e).__name__}); the server log has the details")
-
-
-def _short(value: object, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

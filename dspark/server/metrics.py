@@ -32,6 +32,7 @@ COUNTERS = {
     "num_generation_tokens": ("generation_tokens", "Tokens generated (aborted requests' included)."),
     "num_requests_finished": ("num_requests_finished", "Requests that ended by stop or length."),
     "num_requests_aborted": ("num_requests_aborted", "Requests aborted (client gone, engine failure, refused adds)."),
+    "num_requests_failed": ("num_requests_failed", "Requests the engine failed alone (finish_reason error)."),
     "num_preemptions": ("num_preemptions", "Requests preempted to free KV-cache blocks."),
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served by the prefix cache."),

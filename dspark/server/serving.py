@@ -75,19 +75,8 @@ class ServedModel:
                 "context_length_exceeded",
             )
 
-    def encode(self, text: str, param: str) -> list[int]:
-        check_text(text, param)
+    def encode(self, text: str) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=True))
-
-
-def check_text(text: str, param: str) -> None:
-    """JSON can carry lone surrogates ("\\ud800"), which are not text: the tokenizer would fail on them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise invalid(
-            param, text[max(0, e.start - 10) : e.end + 10], "must be valid Unicode (no lone surrogates)"
-        ) from None
 
 
 def sampling_params(

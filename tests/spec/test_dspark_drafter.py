@@ -577,17 +577,17 @@ BAD_DRAFTERS: dict[str, tuple[Any, str, str]] = {
     ),
     "unexpected tensor": (
         lambda t, d: _edit_tensors(_save_with(t, d), lambda ts: ts.update({"layers.2.norm.weight": torch.ones(64)})),
-        "",
+        "model.safetensors",
         "unexpected tensors layers.2.norm.weight",
     ),
     "wrong shape": (
         lambda t, d: _edit_tensors(_save_with(t, d), lambda ts: ts.update({"fc.weight": torch.zeros(64, 64)})),
-        "",
+        "model.safetensors",
         r"tensor 'fc.weight' has shape \(64, 64\), the config implies \(64, 128\)",
     ),
     "rank disagrees with the tensors": (
         lambda t, d: _edit_config(_save_with(t, d), lambda c: c["dspark_config"].update(markov_rank=16)),
-        "",
+        "model.safetensors",
         r"tensor 'markov_head.markov_w1.weight' has shape \(49152, 8\), the config implies \(49152, 16\)",
     ),
     "config is not JSON": (
@@ -611,7 +611,7 @@ BAD_DRAFTERS: dict[str, tuple[Any, str, str]] = {
             _edit_config(_save_with(t, d), lambda c: c["dspark_config"].pop("markov_rank")),
             _edit_tensors(d, lambda ts: ts.pop("markov_head.markov_w1.weight")),
         ),
-        "",
+        "model.safetensors",
         "unexpected tensors markov_head.markov_w2.weight",
     ),
     "config is a list": (

@@ -1,7 +1,8 @@
 """DSpark drafter checkpoints: a directory with config.json and model.safetensors (DeepSpec's key names, no prefix).
 
-Loading checks the drafter against its target first (vocabulary, hidden size, tapped layers) and every tensor's
-shape, and names the file and the problem on any mismatch. Only JSON and safetensors are parsed.
+Loading checks the drafter against its target first (vocabulary, hidden size, tapped layers), then every tensor's
+shape and dtype before anything is allocated, and names the file and the problem on any mismatch. Only JSON and
+safetensors are parsed.
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ def load_drafter(path: str | Path, target: ModelConfig, dtype: torch.dtype, devi
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files (drafter weights are read only from safetensors)")
     tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}  # tensor name -> the file it came from, for the errors
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
+                    tensors[name], origin[name] = f.get_tensor(name), file
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
     rank = tensors[RANK_KEY].shape[1] if RANK_KEY in tensors and tensors[RANK_KEY].dim() == 2 else None
@@ -75,26 +77,31 @@ def load_drafter(path: str | Path, target: ModelConfig, dtype: torch.dtype, devi
     )
     cfg.check_target(target, str(path))
 
-    model = DSparkModel(cfg)
+    # NOTE: built on the meta device, the model allocates nothing until every tensor has been checked against it: a
+    # config that implies sizes far beyond the file's fails on a shape, not in the allocator.
+    with torch.device("meta"):
+        model = DSparkModel(cfg)
     params = dict(model.named_parameters())
     unexpected = sorted(set(tensors) - set(params))
     if unexpected:
-        raise ModelLoadError(f"{path}: unexpected tensors {', '.join(unexpected[:5])} for this drafter config")
+        raise ModelLoadError(
+            f"{origin[unexpected[0]]}: unexpected tensors {', '.join(unexpected[:5])} for this drafter config"
+        )
     missing = sorted(set(params) - set(tensors))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{path}: missing tensors {shown}")
-    with torch.no_grad():
-        for name, p in params.items():
-            t = tensors[name]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ModelLoadError(
-                    f"{path}: tensor {name!r} has shape {tuple(t.shape)}, the config implies {tuple(p.shape)}"
-                )
-            p.copy_(t)
-    model = model.to(device=device, dtype=dtype)
+    for name, p in params.items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(p.shape):
+            raise ModelLoadError(
+                f"{origin[name]}: tensor {name!r} has shape {tuple(t.shape)}, the config implies {tuple(p.shape)}"
+            )
+        if not t.is_floating_point():
+            raise ModelLoadError(f"{origin[name]}: tensor {name!r} has dtype {t.dtype}; weights are floating point")
+    model.load_state_dict({k: t.to(device=device, dtype=dtype) for k, t in tensors.items()}, assign=True)
     # NOTE: RoPE tables stay fp32 whatever the weights' dtype (as the target's), and cover every position the target
-    # can reach plus a block, whatever the drafter's own config says.
-    positions = max(cfg.max_position_embeddings, target.max_position_embeddings) + cfg.block_size
+    # can reach plus a block, whatever the drafter's own config says (a damaged one could ask for any size).
+    positions = target.max_position_embeddings + cfg.block_size
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, positions).to(device)
     return model.eval()

@@ -8,11 +8,12 @@ block_size (K), target_layer_ids, mask_token_id, markov_rank, confidence_head, s
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dspark.errors import ModelLoadError
+from dspark.errors import ModelLoadError, shown
 from dspark.models.config import ModelConfig
 
 ARCHITECTURE = "DSparkDraftModel"
@@ -187,48 +188,122 @@ class DSparkConfig:
     def from_json(
         cls, raw: Any, source: str, markov_rank: int | None = None, confidence_head: bool = True
     ) -> DSparkConfig:
-        """Parse config.json; markov_rank and confidence_head, when the file lacks them, come from the checkpoint."""
+        """Parse config.json; markov_rank and confidence_head, when the file lacks them, come from the checkpoint.
+
+        Every value is type-checked as JSON (an integer is not a float, a string or a bool), so that a damaged file
+        fails here, naming the key, rather than as a wrong shape or an allocation far beyond the tensors' size."""
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{source}: config.json must hold a JSON object")
         own: dict[str, Any] = {}
         for key in NESTED_KEYS:
-            if isinstance(raw.get(key), dict):
-                own.update(raw[key])
+            if key in raw and not isinstance(raw[key], dict):
+                raise ModelLoadError(f"{source}: {key}={shown(raw[key])} is invalid: must be a JSON object")
+            own.update(raw.get(key) or {})
         own.update({k: raw[k] for k in (*OWN_KEYS, "enable_confidence_head") if k in raw})
-
-        def need(key: str, where: dict[str, Any] = raw) -> Any:
-            if where.get(key) is None:
-                raise ModelLoadError(f"{source}: config.json lacks the key {key!r}")
-            return where[key]
-
+        read = _Reader(source, raw)
+        mine = _Reader(source, own)
+        num_heads = read.integer("num_attention_heads")
+        hidden = read.integer("hidden_size")
+        rope = _Reader(source, read.obj("rope_parameters"), "rope_parameters.")
+        rope_theta = read.number("rope_theta", None) or rope.number("rope_theta", 1e4)
+        confidence = mine.flag("confidence_head", None)
+        if confidence is None:  # DeepSpec's spelling
+            confidence = mine.flag("enable_confidence_head", confidence_head)
         try:
-            num_heads = int(need("num_attention_heads"))
-            hidden = int(need("hidden_size"))
-            temps = own.get("sts_temperatures")
-            biases = own.get("sts_biases")
-            ids = need("target_layer_ids", own)
             return cls(
-                vocab_size=int(need("vocab_size")),
+                vocab_size=read.integer("vocab_size"),
                 hidden_size=hidden,
-                intermediate_size=int(need("intermediate_size")),
-                num_layers=int(need("num_hidden_layers")),
+                intermediate_size=read.integer("intermediate_size"),
+                num_layers=read.integer("num_hidden_layers"),
                 num_heads=num_heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-                head_dim=int(raw.get("head_dim") or hidden // num_heads),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 1e4)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                block_size=int(need("block_size", own)),
-                target_layer_ids=tuple(int(i) for i in ids),
-                markov_rank=int(own["markov_rank"] if own.get("markov_rank") is not None else markov_rank or 0),
-                num_target_layers=None if own.get("num_target_layers") is None else int(own["num_target_layers"]),
-                confidence_head=bool(own.get("confidence_head", own.get("enable_confidence_head", confidence_head))),
-                mask_token_id=None if own.get("mask_token_id") is None else int(own["mask_token_id"]),
-                sts_temperatures=None if temps is None else tuple(float(t) for t in temps),
-                sts_biases=None if biases is None else tuple(float(b) for b in biases),
+                num_kv_heads=read.integer("num_key_value_heads", num_heads),
+                head_dim=read.integer("head_dim", hidden // num_heads),
+                rms_norm_eps=read.number("rms_norm_eps", 1e-6),
+                rope_theta=rope_theta,
+                max_position_embeddings=read.integer("max_position_embeddings", 2048),
+                block_size=mine.integer("block_size"),
+                target_layer_ids=tuple(mine.integers("target_layer_ids")),
+                markov_rank=mine.integer("markov_rank", markov_rank or 0, minimum=0),
+                num_target_layers=mine.integer("num_target_layers", None),
+                confidence_head=confidence,
+                mask_token_id=mine.integer("mask_token_id", None, minimum=0),
+                sts_temperatures=mine.numbers("sts_temperatures"),
+                sts_biases=mine.numbers("sts_biases", positive=False),
             )
-        except (TypeError, ValueError) as e:
+        except ValueError as e:  # __post_init__'s checks across fields
             raise ModelLoadError(f"{source}: config.json has an invalid value ({e})") from None
 
     def save(self, directory: Path) -> None:
         (directory / "config.json").write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+_REQUIRED = object()
+
+
+class _Reader:
+    """Typed reads of one JSON object's keys; a wrong value raises ModelLoadError naming the key, the value and what
+    is allowed. A key that is absent or null takes the default; without one it is required."""
+
+    def __init__(self, source: str, values: dict[str, Any], prefix: str = "") -> None:
+        self.source, self.values, self.prefix = source, values, prefix
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.values.get(key)
+        if value is None and default is _REQUIRED:
+            raise ModelLoadError(f"{self.source}: config.json lacks the key {self.prefix + key!r}")
+        return value
+
+    def _bad(self, key: str, value: Any, allowed: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.source}: {self.prefix + key}={shown(value)} is invalid: {allowed}")
+
+    def integer(self, key: str, default: Any = _REQUIRED, minimum: int = 1) -> Any:
+        value = self._get(key, default)
+        if value is None:
+            return default
+        if not _is_int(value) or value < minimum:
+            raise self._bad(key, value, f"must be an integer >= {minimum}")
+        return value
+
+    def number(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if value is None:
+            return default
+        if not _is_number(value) or value <= 0:
+            raise self._bad(key, value, "must be a positive finite number")
+        return float(value)
+
+    def flag(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._bad(key, value, "must be true or false")
+        return value
+
+    def obj(self, key: str) -> dict[str, Any]:
+        value = self.values.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise self._bad(key, value, "must be a JSON object")
+        return value or {}
+
+    def integers(self, key: str) -> list[int]:
+        value = self._get(key, _REQUIRED)
+        if not isinstance(value, list) or not all(_is_int(i) and i >= 0 for i in value):
+            raise self._bad(key, value, "must be a list of layer indices (integers >= 0)")
+        return value
+
+    def numbers(self, key: str, positive: bool = True) -> tuple[float, ...] | None:
+        value = self._get(key, None)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(_is_number(v) and (v > 0 or not positive) for v in value):
+            raise self._bad(key, value, f"must be a list of {'positive ' if positive else ''}finite numbers")
+        return tuple(float(v) for v in value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
