@@ -62,11 +62,12 @@ def run_arm(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any
             _wait_healthy(url, server, args.startup_timeout)
             result = out_dir / f"gsm8k-{name}.json"
             data = Path(args.data_dir) / "gsm8k"
+            evaluate = [sys.executable, "-m", "dspark", "eval", "gsm8k", "--base-url", url, "--save-detailed"]
+            evaluate += ["--data-path", str(data / "test.jsonl"), "--train-path", str(data / "train.jsonl.gz")]
+            evaluate += ["--num-shots", str(args.num_shots), "--num-questions", str(args.num_questions)]
+            evaluate += ["--max-concurrency", str(args.max_concurrency), "--output-json", str(result)]
             subprocess.run(
-                [sys.executable, "-m", "dspark", "eval", "gsm8k", "--base-url", url]
-                + ["--data-path", str(data / "test.jsonl"), "--train-path", str(data / "train.jsonl.gz")]
-                + ["--num-shots", str(args.num_shots), "--num-questions", str(args.num_questions)]
-                + ["--max-concurrency", str(args.max_concurrency), "--output-json", str(result), "--save-detailed"],
+                evaluate,
                 check=True,
             )
             return json.loads(result.read_text())

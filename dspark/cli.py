@@ -818,6 +818,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_bench(benches, _Formatter)
 
+    from dspark.bench.load import add_parser as add_load_bench
+
+    add_load_bench(benches, _Formatter)
+
     prof = commands.add_parser(
         "profile",
         help="profile (or show the cached) step-cost curves adaptive verification plans with",

@@ -9,6 +9,8 @@ output counted as one token per text chunk and its prompt as the client's own es
 
 A request that fails (connection refused, an HTTP error status, an error event, a stream cut before `[DONE]`) comes
 back as a RequestResult with success=False and the reason; it never raises, so one bad request cannot end a run.
+A request may also be told to hang up on purpose after a number of text chunks (`dspark bench load` aborts requests
+mid-stream this way); it then comes back with disconnected=True.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between consecutive chunks with text
     latency: float = 0.0  # seconds from sending to the end of the stream
     error: str = ""
+    num_text_chunks: int = 0
+    num_logprob_tokens: int = 0  # tokens the chunks' logprobs list (when the request asks for logprobs)
+    disconnected: bool = False  # the client hung up on purpose (disconnect_after) before the stream ended
 
 
 def request_body(endpoint: Endpoint, req: RequestInput) -> dict[str, Any]:
@@ -119,8 +124,11 @@ def request_body(endpoint: Endpoint, req: RequestInput) -> dict[str, Any]:
     return body
 
 
-async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: RequestInput) -> RequestResult:
-    """One streamed request; never raises for a failure of the server or the network."""
+async def send_request(
+    session: aiohttp.ClientSession, endpoint: Endpoint, req: RequestInput, disconnect_after: int | None = None
+) -> RequestResult:
+    """One streamed request; never raises for a failure of the server or the network. With `disconnect_after`, the
+    client closes the connection once that many chunks with text have arrived (0: as soon as the response starts)."""
     result = RequestResult(prompt_tokens=req.prompt_len or 0)
     body = request_body(endpoint, req)
     sent = time.perf_counter()
@@ -135,6 +143,8 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
                 text = await resp.text()
                 result.error = f"HTTP {resp.status}: {text[:ERROR_TEXT_CHARS]}"
                 return result
+            if disconnect_after == 0:
+                return _hang_up(resp, result, parts)
             async for data, arrived in _sse_data(resp):
                 if data == "[DONE]":
                     done = True
@@ -152,13 +162,19 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
                 text = (choice.get("delta") or {}).get("content") if endpoint.chat else choice.get("text")
                 if choice.get("finish_reason") is not None:
                     result.finish_reason = choice["finish_reason"]
+                logprobs = choice.get("logprobs") or {}
+                # completions list the chunk's tokens under "tokens", chat under "content"
+                result.num_logprob_tokens += len(logprobs.get("tokens") or logprobs.get("content") or [])
                 if text:
+                    result.num_text_chunks += 1
                     if parts:
                         result.itl.append(arrived - last)
                     else:
                         result.ttft = arrived - sent
                     last = arrived
                     parts.append(text)
+                    if result.num_text_chunks == disconnect_after:
+                        return _hang_up(resp, result, parts)
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError: a chunk that is not JSON
         result.error = f"{type(e).__name__}: {e}"[:ERROR_TEXT_CHARS]
         return result
@@ -175,6 +191,14 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
     else:
         result.output_tokens = len(parts)
     result.success = True
+    return result
+
+
+def _hang_up(resp: aiohttp.ClientResponse, result: RequestResult, parts: list[str]) -> RequestResult:
+    # NOTE: close(), not release(): the connection must really drop for the server to see its client gone.
+    resp.close()
+    result.disconnected = True
+    result.text = "".join(parts)
     return result
 
 
@@ -300,8 +324,11 @@ def check_load(max_concurrency: int | None, request_rate: float) -> None:
 # ---- command line -------------------------------------------------------------------------------------------------
 
 
-def add_server_args(parser: argparse.ArgumentParser, *, max_concurrency: int | None = None) -> None:
-    """The flags that name the server and how to talk to it, shared by `bench serve` and `eval`."""
+def add_server_args(
+    parser: argparse.ArgumentParser, *, max_concurrency: int | None = None, concurrency_flag: bool = True
+) -> None:
+    """The flags that name the server and how to talk to it, shared by `bench serve`, `bench load` and `eval`
+    (`bench load` holds a fixed concurrency of its own, so it asks for no --max-concurrency)."""
     g = parser.add_argument_group("server")
     g.add_argument(
         "--backend", choices=list(BACKENDS), default="openai", help="completions or chat API (default: %(default)s)"
@@ -314,13 +341,14 @@ def add_server_args(parser: argparse.ArgumentParser, *, max_concurrency: int | N
     )
     g.add_argument("--model", metavar="NAME", help="the model name to send (default: the first in /v1/models)")
     g.add_argument("--api-key", metavar="KEY", help="sent as a bearer token (default: $OPENAI_API_KEY, else none)")
-    g.add_argument(
-        "--max-concurrency",
-        metavar="C",
-        type=int,
-        default=max_concurrency,
-        help="most requests in flight at once (default: %s)" % (max_concurrency or "no limit"),
-    )
+    if concurrency_flag:
+        g.add_argument(
+            "--max-concurrency",
+            metavar="C",
+            type=int,
+            default=max_concurrency,
+            help="most requests in flight at once (default: %s)" % (max_concurrency or "no limit"),
+        )
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
