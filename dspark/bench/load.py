@@ -136,11 +136,14 @@ def percentiles_ms(seconds: list[float]) -> dict[str, float]:
     return {f"p{p}": float(np.percentile(ms, p)) if ms.size else 0.0 for p in (50, 99)}
 
 
-async def references(
-    session: aiohttp.ClientSession, endpoint: Endpoint, inputs: list[RequestInput]
-) -> list[RequestResult]:
-    """Each prompt alone, one after another."""
-    refs = [await send_request(session, endpoint, req) for req in inputs]
+async def references(endpoint: Endpoint, inputs: list[RequestInput]) -> list[RequestResult]:
+    """Each prompt alone, one after another, on fresh connections.
+
+    NOTE: not on the load's pool: after a round and the wait for the server to go idle, its kept-alive connections
+    have outlived the server's keep-alive timeout (uvicorn: 5 s), and reusing one failed as "Server disconnected"
+    (a 256-client run on SmolLM2)."""
+    async with open_session(1) as session:
+        refs = [await send_request(session, endpoint, req) for req in inputs]
     for i, ref in enumerate(refs):
         if not ref.success:
             raise DSparkError(f"the reference request for prompt {i} failed: {ref.error}")
@@ -232,11 +235,14 @@ async def run_load(
     inputs = [RequestInput(p, settings.max_tokens, 0.0, extra=dict(extra)) for p in prompts]
     rng = random.Random(settings.seed)
     rounds: list[dict[str, Any]] = []
-    # NOTE: two connections beyond the clients, so /metrics polls never queue behind the load.
-    async with open_session(settings.concurrency + 2) as session:
-        refs = await references(session, endpoint, inputs)
+    refs = await references(endpoint, inputs)
+    async with open_session(1) as session:
         before = await fetch_metrics(session, endpoint.base_url, endpoint.api_key)
-        for k in range(settings.rounds):
+    for k in range(settings.rounds):
+        # NOTE: a fresh pool per round: connections kept alive through the previous round's idle wait outlive the
+        # server's keep-alive timeout, and reusing one can fail as "Server disconnected". Two connections beyond
+        # the clients, so /metrics polls never queue behind the load.
+        async with open_session(settings.concurrency + 2) as session:
             start_text = await fetch_metrics(session, endpoint.base_url, endpoint.api_key)
             rss_before = rss_mib(settings.server_pid)
             start = time.perf_counter()
@@ -244,19 +250,20 @@ async def run_load(
             summary = round_summary(outcomes, refs, settings, time.perf_counter() - start)
             summary["after"] = await settle(session, endpoint, settings.settle)
             end_text = await fetch_metrics(session, endpoint.base_url, endpoint.api_key)
-            start_m, end_m = metric_values(start_text), metric_values(end_text)
-            rounds.append(
-                {
-                    "round": k,
-                    **summary,
-                    "peak_server_requests": peak,
-                    "server_aborts": end_m.get(ABORTED, 0.0) - start_m.get(ABORTED, 0.0),
-                    "preemptions": end_m.get(PREEMPTIONS, 0.0) - start_m.get(PREEMPTIONS, 0.0),
-                    "rss_before_mib": rss_before,
-                    "rss_after_mib": rss_mib(settings.server_pid),
-                }
-            )
-        again = await references(session, endpoint, inputs)
+        start_m, end_m = metric_values(start_text), metric_values(end_text)
+        rounds.append(
+            {
+                "round": k,
+                **summary,
+                "peak_server_requests": peak,
+                "server_aborts": end_m.get(ABORTED, 0.0) - start_m.get(ABORTED, 0.0),
+                "preemptions": end_m.get(PREEMPTIONS, 0.0) - start_m.get(PREEMPTIONS, 0.0),
+                "rss_before_mib": rss_before,
+                "rss_after_mib": rss_mib(settings.server_pid),
+            }
+        )
+    again = await references(endpoint, inputs)
+    async with open_session(1) as session:
         after = await fetch_metrics(session, endpoint.base_url, endpoint.api_key)
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
