@@ -12,8 +12,8 @@ neighbour's verdict where that transfers (plain measured faster at a lower load,
 so often the other regime runs for a short burst to keep its figure fresh, at first soon and then more rarely (8
 steps, doubling), so a level costs a few steps of the slower regime to learn. Once both rates are known the bursts are
 also spaced by how much slower the other regime is, so that they cost at most 1% of the time between them: on the H200
-a drafting step of a weak drafter took 2.5-4x a plain one, and bursts every 256 steps cost 2-4% of throughput, more
-than the whole margin adaptive verification is allowed.
+a drafting step of a weak drafter took 2.5-4x a plain one (step_profile.py), so bursts of 3 every 256 steps cost,
+by that arithmetic, 2-4% of throughput: more than the whole margin adaptive verification is allowed.
 
 The choice reads only past measurements and the load, never a draft, so verification stays lossless.
 """
