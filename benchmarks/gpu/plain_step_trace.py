@@ -1,7 +1,8 @@
 """Why a plain step (no drafts verified, none drafted) of an adaptive engine costs more than a no-spec step: both
-engines decode C requests in steady state, the adaptive one held in its plain regime, under torch.profiler.
+engines decode C requests in steady state, the adaptive one held in its plain regime, under torch.profiler. The
+fixed-7 configuration traces drafting steps (verify 7, draft again) the same way.
 
-    python benchmarks/gpu/plain_step_trace.py --concurrency 512 --steps 20
+    python benchmarks/gpu/plain_step_trace.py --concurrency 1 512 --config no-spec adaptive fixed-7 --steps 20
 
 Prints per configuration the wall time per step, the device time per step, and the operators with the most device
 and host time.
@@ -18,7 +19,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from dspark import LLM, SamplingParams
 
-CONFIGS = {"no-spec": None, "adaptive": {"method": "dspark", "num_speculative_tokens": 7}}
+CONFIGS = {
+    "no-spec": None,
+    "adaptive": {"method": "dspark", "num_speculative_tokens": 7},
+    # every step verifies 7 drafts and drafts again: what a drafting step costs, against a plain one
+    "fixed-7": {"method": "dspark", "num_speculative_tokens": 7, "enable_adaptive_verification": False},
+}
 
 
 def trace(name: str, concurrency: int, steps: int, top: int) -> None:

@@ -2,6 +2,9 @@
 # The GPU path on the H200s (issue 6), in runs of at most 10 minutes (../shared/device/README.md):
 #   PHASE=check : GPU 0 runs the GPU tests (CUDA graphs, no host sync, fused kernels, sampling); GPU 1 runs a small
 #                 sweep (no-spec, fixed-7, adaptive at C = 1, 64, 256, T = 0).
+#   PHASE=diag  : GPU 0 runs the GPU tests, then traces plain and drafting steps (no-spec, adaptive held plain,
+#                 fixed-7) at C = 1 and 256 under torch.profiler; the last GPU times the step's phases at C = 1, 16, 256,
+#                 then sweeps no-spec and adaptive at C = 1, 16, 256, 1024 (T = 0, one wave).
 #   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
 #   PHASE=sweep : the full sweep, one temperature per GPU (T = 0 on GPU 0, T = 1 on the last), with the hf arm.
 #   PHASE=serve : issue 7 on the GPU: `dspark serve` per arm (no-spec, fixed-7, adaptive) on GPU 0, loaded by
@@ -37,6 +40,27 @@ elif [ "$PHASE" = profile ]; then
     --output "$OUT/step-profile.json" > "$OUT/step-profile.log" 2>&1) &
   wait
   cat "$OUT/gpu-tests.log" "$OUT/step-profile.log" | grep -v "it/s\|s/it"
+elif [ "$PHASE" = diag ]; then
+  (
+    on 0 200 python -m pytest -q -m gpu tests/test_gpu.py tests/models/test_fused_ops.py 2>&1 | quiet | tail -30 \
+      > "$OUT/gpu-tests.log"
+    on 0 200 python benchmarks/gpu/plain_step_trace.py --concurrency 1 256 --config no-spec adaptive fixed-7 \
+      --steps 20 --top 15 > "$OUT/step-trace.log" 2>&1
+  ) &
+  (
+    on "$LAST" 200 python benchmarks/gpu/step_profile.py --device cuda --concurrency 1 16 256 --steps 40 \
+      --output "$OUT/step-profile.json" > "$OUT/step-profile.log" 2>&1
+    on "$LAST" "${DIAG_SWEEP_S:-330}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" \
+      --arm no-spec --arm adaptive --concurrency 1 16 256 1024 --temperature 0 --output-len 256 --waves 1 \
+      --max-num-batched-tokens 8192 --gpu-memory-utilization 0.6 --data-dir "$DATA" \
+      --output-json "$OUT/diag-sweep.json" 2>&1 | quiet > "$OUT/diag-sweep.log"
+  ) &
+  wait
+  cat "$OUT/gpu-tests.log"
+  grep -v "it/s\|s/it" "$OUT/step-profile.log" | grep -v "^ *$" | tail -20
+  grep "^==" "$OUT/step-trace.log"
+  grep "ROW" "$OUT/diag-sweep.log" | sed 's/ ROW.*//'
+  tail -12 "$OUT/diag-sweep.log"
 elif [ "$PHASE" = attention ]; then
   on 0 120 python benchmarks/gpu/bench_attention.py --output "$OUT/attention.json" 2>&1 | quiet
   on 0 150 python -m dspark profile --device cuda --speculative-config "$SPEC" \

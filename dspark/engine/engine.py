@@ -110,6 +110,7 @@ class LLMEngine:
         if self.dspark_model is not None and self.device.type == "cuda":
             for layer in self.dspark_model.layers:
                 layer.fuse_weights()
+            self.dspark_model.fuse_context_weights()
         self.num_spec_tokens = self._num_spec_tokens()
         lookahead = self.dspark_model.config.block_size if self.dspark_model is not None else 0
         num_blocks = config.num_kv_blocks or self._kv_blocks_that_fit()

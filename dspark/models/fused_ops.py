@@ -316,6 +316,17 @@ def rotary_qk(
     return q, k
 
 
+def rotary_k(
+    k: torch.Tensor,  # [n, heads, head_dim], head_dim contiguous (a strided view of a merged GEMM is fine)
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm: tuple[torch.Tensor, float] | None = None,  # (the per-head RMSNorm weight, eps)
+) -> torch.Tensor:
+    """apply_rotary of one tensor (after its per-head RMSNorm, if `norm`), IN PLACE, in one launch."""
+    _launch_rotary(k, None, k, None, cos, sin, None if norm is None else (norm[0], norm[0], norm[1]))
+    return k
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rotary of one [n, heads, head_dim] tensor into a new one (x untouched)."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

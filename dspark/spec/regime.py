@@ -9,11 +9,13 @@ each regime: "spec" steps verified drafts and drafted again, "plain" steps did n
 neither). Once both are known the faster wins (a 3% margin keeps the model's choice on a near tie); until then, and
 between measurements, the model decides, except that a level not measured yet starts from its nearest measured
 neighbour's verdict where that transfers (plain measured faster at a lower load, or drafting at a higher one). Every
-so often the other regime runs for a short burst to keep its figure fresh, at first soon and then more rarely (8
-steps, doubling), so a level costs a few steps of the slower regime to learn. Once both rates are known the bursts are
-also spaced by how much slower the other regime is, so that they cost at most 1% of the time between them: on the H200
-a drafting step of a weak drafter took 2.5-4x a plain one (step_profile.py), so bursts of 3 every 256 steps cost,
-by that arithmetic, 2-4% of throughput: more than the whole margin adaptive verification is allowed.
+so often the other regime runs for a short burst to keep its figure fresh. The first burst comes after FIRST_PERIOD
+steps, so that a new level learns both rates in a handful of steps: on the H200 the model's first choice at a new load
+level was to draft (it cannot see a drafting step's host work) and, with a first period of 8, a 256-step sweep row
+spent 7-10 steps drafting, each 2.5-4x a plain step. Then the bursts thin out (the period doubles) and, once both
+rates are known, they are also spaced by what the slower regime costs: a burst may cost at most EXPLORE_SHARE of the
+time between bursts. The cost is counted in time, not steps: a slower regime's step can last several of the faster
+one's, and each of its milliseconds loses (1 - slow rate / fast rate) of what the faster regime would have made.
 
 The choice reads only past measurements and the load, never a draft, so verification stays lossless.
 """
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 BURST = 3  # steps of the other regime per exploration: the first switches, the next are steady
-FIRST_PERIOD, MAX_PERIOD = 8, 4096
+FIRST_PERIOD, MAX_PERIOD = 2, 4096
 EXPLORE_SHARE = 0.01  # once both rates are known: the most a burst of the slower regime may cost of the time between
 MARGIN = 0.03
 DECAY = 0.8  # weight of the previous average per new steady step
@@ -33,6 +35,7 @@ DECAY = 0.8  # weight of the previous average per new steady step
 @dataclass
 class _Level:
     rate: dict[bool, float] = field(default_factory=dict)  # drafting? -> tokens/ms
+    ms: dict[bool, float] = field(default_factory=dict)  # drafting? -> ms per steady step
     since: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # steps since each regime last ran
     period: int = FIRST_PERIOD
     burst: int = 0  # steps left in an exploration burst
@@ -66,9 +69,9 @@ class RegimeChooser:
                 inherited = self._neighbour_verdict(self.level(num_requests))
                 choice = ask() if inherited is None else inherited
             other = not choice
-            if lv.since[other] >= lv.period:
+            if lv.since[other] >= max(lv.period, self._spacing(lv)):
                 lv.burst, lv.burst_regime = BURST - 1, other
-                lv.period = min(max(2 * lv.period, self._spacing(lv)), MAX_PERIOD)
+                lv.period = min(2 * lv.period, MAX_PERIOD)
                 self.num_explorations += 1
                 choice = other
         lv.since[choice] = 0
@@ -92,12 +95,15 @@ class RegimeChooser:
 
     @staticmethod
     def _spacing(lv: _Level) -> int:
-        """Steps between bursts so that one costs at most EXPLORE_SHARE: a step of the slower regime loses
-        (fast / slow - 1) steps' worth of the faster one's tokens."""
-        if len(lv.rate) < 2 or min(lv.rate.values()) <= 0:
+        """Steps of the faster regime between bursts so that a burst costs at most EXPLORE_SHARE of the time between
+        them (0 until both regimes are measured): a burst lasts BURST * slow_ms, and each of its milliseconds makes
+        slow / fast of the faster regime's tokens."""
+        if len(lv.rate) < 2 or min(lv.rate.values()) <= 0 or len(lv.ms) < 2:
             return 0
-        ratio = max(lv.rate.values()) / min(lv.rate.values())
-        return int(BURST * (ratio - 1.0) / EXPLORE_SHARE)
+        fast = max(lv.rate, key=lambda regime: lv.rate[regime])
+        slow = not fast
+        lost_ms = BURST * lv.ms[slow] * (1.0 - lv.rate[slow] / lv.rate[fast])
+        return min(int(lost_ms / (EXPLORE_SHARE * max(lv.ms[fast], 1e-6))), MAX_PERIOD)
 
     def observe(self, num_requests: int, verified_drafts: bool, drafted: bool, tokens: int, ms: float) -> None:
         """One finished step: it counts for a regime only if steady (verified drafts and drafted again, or neither)."""
@@ -106,6 +112,7 @@ class RegimeChooser:
         lv = self.levels.setdefault(self.level(num_requests), _Level())
         rate = tokens / ms
         lv.rate[drafted] = rate if drafted not in lv.rate else DECAY * lv.rate[drafted] + (1 - DECAY) * rate
+        lv.ms[drafted] = ms if drafted not in lv.ms else DECAY * lv.ms[drafted] + (1 - DECAY) * ms
 
     def rates(self) -> dict[int, dict[str, float]]:
         return {lvl: {("spec" if k else "plain"): v for k, v in lv.rate.items()} for lvl, lv in self.levels.items()}

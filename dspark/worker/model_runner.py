@@ -110,6 +110,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        if self.graphs is not None:  # an eager step writes the drafter's cache too: after the last graph's write
+            self.graphs.join_context()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -265,6 +267,8 @@ class ModelRunner:
     def propose(self, requests: list[Request]) -> Proposal:
         """Drafts for the next step of these requests (each has all but its last token computed)."""
         assert self.drafter is not None
+        if self.graphs is not None:  # the drafting pass reads the context the last target step wrote
+            self.graphs.join_context()
         proposal = self.drafter.propose(requests)
         if proposal.probs is not None:
             for i, req in enumerate(requests):

@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from dspark.models import fused_ops
 from dspark.models.llama import DecoderLayer, RMSNorm, Rotary, apply_rotary
 from dspark.spec.dspark.confidence import ConfidenceHead
 from dspark.spec.dspark.config import DSparkConfig
@@ -36,6 +38,20 @@ class DSparkModel(nn.Module):
             self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
         # A block reaches K-1 positions past the last token the target may see.
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings + cfg.block_size)
+        self.context_kv_weight: torch.Tensor | None = None  # fuse_context_weights
+
+    def fuse_context_weights(self) -> None:
+        """One GEMM for every draft layer's context keys and values (the CUDA path of write_context).
+
+        NOTE: the context write runs in every target step of an engine with this drafter, drafting or not, and at a
+        batch of one its cost is its kernel count: 5 per layer unfused (k_proj, k_norm, RoPE, v_proj, the write), 2
+        per layer with this (norm and RoPE in one kernel, the write) plus the one GEMM. A copy, not views: the
+        layers' own q/k/v merge (fuse_weights) keeps its parameters, and nothing trains an inference engine's
+        drafter."""
+        with torch.no_grad():
+            self.context_kv_weight = torch.cat(
+                [w for layer in self.layers for w in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight)]
+            ).contiguous()
 
     def context_features(self, taps: torch.Tensor) -> torch.Tensor:
         """[n, n_taps * hidden] -> [n, hidden]."""
@@ -55,6 +71,9 @@ class DSparkModel(nn.Module):
         tokens were written beside it (worker/numerics.py)."""
         n = positions.shape[0]
         rope = self.rotary(positions)
+        if self.context_kv_weight is not None and fused_ops.enabled(features):
+            self._write_context_fused(features, n, rope, slots, caches)
+            return
         for layer, cache in zip(self.layers, caches, strict=True):
             attn = layer.self_attn
             k = attn.k_norm(attn.k_proj(features)[:n].view(n, attn.num_kv_heads, attn.head_dim))
@@ -65,6 +84,29 @@ class DSparkModel(nn.Module):
                 write_kv_skipping(cache.key, cache.value, apply_rotary(k, rope).contiguous(), v.contiguous(), slots)
             else:
                 write_kv(cache, apply_rotary(k, rope), v, slots)
+
+    def _write_context_fused(
+        self,
+        features: torch.Tensor,
+        n: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+        caches: list[KVCache],
+    ) -> None:
+        """write_context on CUDA: one GEMM for all layers' keys and values, then per layer k_norm and RoPE in place in
+        one kernel and the Triton write (which skips slot -1). k and v stay strided views of the GEMM's output."""
+        from dspark.worker.attention.triton_kernels import write_kv as write_kv_triton
+
+        assert self.context_kv_weight is not None
+        kv = F.linear(features, self.context_kv_weight)[:n]
+        attn0 = self.layers[0].self_attn
+        width = attn0.num_kv_heads * attn0.head_dim
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            attn = layer.self_attn
+            k = kv[:, 2 * i * width : (2 * i + 1) * width].view(n, attn.num_kv_heads, attn.head_dim)
+            v = kv[:, (2 * i + 1) * width : (2 * i + 2) * width].view(n, attn.num_kv_heads, attn.head_dim)
+            fused_ops.rotary_k(k, *rope, (attn.k_norm.weight, attn.k_norm.eps))
+            write_kv_triton(cache.key, cache.value, k, v, slots)
 
     def mask_input(self, embed: nn.Embedding) -> torch.Tensor:
         """[hidden]: the input of a block's masked slots."""
