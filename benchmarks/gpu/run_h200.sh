@@ -50,7 +50,7 @@ elif [ "$PHASE" = diag ]; then
   (
     on "$LAST" 200 python benchmarks/gpu/step_profile.py --device cuda --concurrency 1 16 256 --steps 40 \
       --output "$OUT/step-profile.json" > "$OUT/step-profile.log" 2>&1
-    on "$LAST" "${DIAG_SWEEP_S:-330}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" \
+    [ "${DIAG_SWEEP_S:-330}" -gt 0 ] && on "$LAST" "${DIAG_SWEEP_S:-330}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" \
       --arm no-spec --arm adaptive --concurrency 1 16 256 1024 --temperature 0 --output-len 256 --waves 1 \
       --max-num-batched-tokens 8192 --gpu-memory-utilization 0.6 --data-dir "$DATA" \
       --output-json "$OUT/diag-sweep.json" 2>&1 | quiet > "$OUT/diag-sweep.log"

@@ -163,6 +163,8 @@ class Round:
     tpot_s: list[float]  # requests with more than one output token
     e2el_s: list[float]
     counters: dict[str, float]  # COUNTERS' deltas over the round, the planner's budget sum and step count; {} for hf
+    # adaptive: the regime's measured tokens/ms per load level at the round's end (spec/regime.py), for diagnosis
+    regime_rates: dict[int, dict[str, float]] | None = None
 
     @property
     def output_throughput(self) -> float:
@@ -217,6 +219,7 @@ def run_row(
         tpot,
         e2el,
         {k: after[k] - before[k] for k in after},
+        engine.planner.regime.rates() if engine.planner is not None and engine.planner.adaptive else None,
     )
     return round_, token_ids
 
@@ -456,6 +459,8 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
             "num_steps": d.get("num_steps"),
             # The budget choice and the allocation (kernel and copy), as a share of the row's wall time.
             "plan_time_fraction": d["plan_ms"] / (r.elapsed_s * 1e3) if arm.adaptive else None,
+            # tokens/ms of each regime per load level (requests, in powers of two: level L holds 2^(L-1)..2^L - 1)
+            "regime_tokens_per_ms": r.regime_rates,
             # Greedy decoding must not change a token: "n/N" of this row's outputs equal no-spec's (temperature 0).
             "identical_to_no_spec": None,
         }

@@ -88,6 +88,7 @@ class _Timed:
     verified_drafts: bool
     drafted: bool
     num_emitted: int
+    decode_only: bool  # every request fed one token besides its drafts (no prompt chunk)
 
 
 @dataclass
@@ -117,11 +118,27 @@ class StepTiming:
                 a + b for a, b in zip(self.sum_error, (base, abs(base), refined, abs(refined)), strict=True)
             ]
             cost.observe(t.num_requests, t.base_ms, measured)
-            regime.observe(t.num_requests, t.verified_drafts, t.drafted, t.num_emitted, measured)
+            # NOTE: a step with a prompt chunk says nothing about either regime's decode rate. Counted as a plain step,
+            # a level's first step (its requests' prefill: 16 tokens in ~15 ms at C = 16 on the H200) made plain
+            # decoding look slower than drafting, and the level then drafted for most of a sweep row.
+            if t.decode_only:
+                regime.observe(t.num_requests, t.verified_drafts, t.drafted, t.num_emitted, measured)
 
     def mean_errors(self) -> list[float]:
         """Mean relative error (predicted - measured) / measured: profiled, |profiled|, refined, |refined|."""
         return [e / self.num_steps for e in self.sum_error] if self.num_steps else [0.0] * 4
+
+
+def _counts_without_live_values(caps: list[int], budget: int) -> list[int] | None:
+    """The allocation where it cannot depend on the live survivals: nothing verified, everything verified, or one
+    request (survivals never rise along a block and ties go to the earlier slot, so its top slots are its first
+    ones). None otherwise. NOTE: at C = 1 on the H200 the allocation's kernel, copies and wait were 0.9 ms of a
+    5.2 ms adaptive drafting step (benchmarks/gpu/step_profile.py)."""
+    if budget <= 0:
+        return [0] * len(caps)
+    if len(caps) == 1 or budget >= sum(caps):
+        return [min(c, budget) for c in caps]
+    return None
 
 
 class VerificationPlanner:
@@ -170,6 +187,7 @@ class VerificationPlanner:
         self.verify_len_hist = [0] * (num_spec_tokens + 1)  # requests that verified l drafts in a step, l = 0..K
         self._shape: tuple[int, int] | None = None  # this step's (requests that sample, tokens), once planned
         self._verified_drafts = False
+        self._decode_only = False
         self._step_start: float | torch.cuda.Event | None = None
         self._pays_cache: dict[int, tuple[bool, int]] = {}  # num requests -> (answer, steps it may still be reused)
 
@@ -311,6 +329,8 @@ class VerificationPlanner:
         num_sampling = sum(1 for s in sched.scheduled if s.samples)
         self._shape = (num_sampling, sched.num_tokens) if self.adaptive else None
         self._verified_drafts = False
+        num_drafts = sum(len(s.spec_token_ids) for s in items)
+        self._decode_only = num_sampling == len(sched.scheduled) == sched.num_tokens - num_drafts
         if not items:
             return
         started = time.perf_counter()
@@ -319,15 +339,18 @@ class VerificationPlanner:
         if self.adaptive:
             assert self.cost is not None
             slots = self._rows([s.request.request_id for s in items])
-            live = self._live[upload(slots, torch.int64, self.device)]
-            cap_t = upload(caps, torch.int64, live.device)
             if self.mode == "async":
                 self._harvest()
                 stale = self._stale_rows(slots)
                 stale = torch.where(torch.arange(self.k)[None, :] < torch.tensor(caps)[:, None], stale, 0.0)
                 budget = choose_budget(stale, num_sampling, num_other, self.cost)
-                counts = download(allocate(live, budget, cap_t))[0]
+                counts = _counts_without_live_values(caps, budget)
+                if counts is None:
+                    live = self._live[upload(slots, torch.int64, self.device)]
+                    counts = download(allocate(live, budget, upload(caps, torch.int64, live.device)))[0]
             else:
+                live = self._live[upload(slots, torch.int64, self.device)]
+                cap_t = upload(caps, torch.int64, live.device)
                 counts = download(choose_budget_sync(live, num_sampling, num_other, self.cost, cap_t))[0]
             for s, n in zip(items, counts, strict=True):
                 s.num_new_tokens -= len(s.spec_token_ids) - n
@@ -364,7 +387,17 @@ class VerificationPlanner:
             end.record()  # type: ignore[union-attr]
         else:
             end = time.perf_counter()
-        timed = _Timed(num_requests, base, refined, self._step_start, end, self._verified_drafts, drafted, num_emitted)
+        timed = _Timed(
+            num_requests,
+            base,
+            refined,
+            self._step_start,
+            end,
+            self._verified_drafts,
+            drafted,
+            num_emitted,
+            self._decode_only,
+        )
         self.timing.pending.append(timed)
         self.timing.harvest(self.cost, self.regime)
         self._step_start = self._shape = None

@@ -51,8 +51,8 @@ def verify(
     """The tokens each request emits this step: its accepted drafts, then one corrected or bonus token."""
     if method not in METHODS:
         raise ValueError(f"method={method!r}: one of {', '.join(METHODS)}")
-    if method == "probabilistic" and draft_probs is None:
-        raise ValueError("probabilistic verification needs the draft distributions")
+    if method == "probabilistic" and draft_probs is None and not all(r.greedy for r in rows):
+        raise ValueError("probabilistic verification of sampled rows needs the draft distributions")
     expected = sum(len(r.draft_tokens) + 1 for r in rows)
     if target_probs.shape[0] != expected:
         raise ValueError(f"target_probs has {target_probs.shape[0]} rows, the drafts need {expected}")
@@ -77,7 +77,7 @@ def verify(
     batched = not all(r.greedy for r in rows) and dev.type != "cpu"
     if batched:
         needed.append(_SAMPLER.draw(target_probs, plain_us))
-    probabilistic = method == "probabilistic" and bool(tokens)
+    probabilistic = method == "probabilistic" and bool(tokens) and draft_probs is not None
     if probabilistic:
         x = upload(tokens, torch.int64, dev)
         needed.append(target_probs[upload(t_index, torch.int64, dev), x])

@@ -13,12 +13,6 @@ r <= R requests and no query longer than q replays the smallest graph that fits:
 - the attention metadata's host-side maxima are upper bounds fixed at capture (q, max_model_len), which is what the
   Triton backend is allowed to read (worker/attention/triton_backend.py);
 - logits are computed for all T rows inside the graph into a static buffer; the sampler picks its rows from it.
-- with a DSpark drafter, the target's graph leaves the tapped hidden states in a static buffer, and a second graph of
-  the same size turns them into the drafter's context (keys and values of every draft layer). That one is replayed on
-  a side stream, so it runs beside the sampler and the host's output processing instead of before them: every target
-  step pays for it, drafting or not, and at a batch of one its dozen small kernels are a few percent of the step.
-  What reads the drafter's cache or the static buffers next (the next replay, an eager step, a drafting pass) first
-  makes its stream wait for it (`join_context`: a stream wait, never a host sync).
 
 Steps with a prefill chunk longer than q run eagerly. Graphs share one memory pool and are captured largest first;
 their outputs are copied into buffers allocated before capture, so no graph's output lives in pool memory another
@@ -102,11 +96,8 @@ class GraphRunner:
         self.backend_factory = backend_factory
         self.context_writer = context_writer
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.context_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.side_stream = torch.cuda.Stream(device) if context_writer is not None else None
         self.num_replays = 0
         self._copied: torch.cuda.Event | None = None
-        self._context_done: torch.cuda.Event | None = None  # the last context graph's end, on the side stream
 
     # ---- capture --------------------------------------------------------------------------------------------------
 
@@ -126,12 +117,6 @@ class GraphRunner:
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         self._forward(backend, t, r, q)
                     self.graphs[t, q] = _Graph(graph, t, r)
-                    if self.context_writer is not None:
-                        self._write_context(t)  # warm-up
-                        context = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(context, pool=pool, stream=stream):
-                            self._write_context(t)
-                        self.context_graphs[t, q] = context
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
@@ -164,18 +149,10 @@ class GraphRunner:
         hidden, taps = self.model.forward_with_taps(self.ids[:t], self.pos[:t], ctx, self.tap_layers)
         self.logits[:t].copy_(self.model.compute_logits(hidden))
         if taps is not None:
-            self.taps[:t].copy_(taps)
-
-    def _write_context(self, t: int) -> None:
-        assert self.context_writer is not None
-        self.context_writer(self.taps[:t], self.pos[:t], self.slots[:t])  # padding rows have slot -1: not written
-
-    def join_context(self) -> None:
-        """Make the current stream wait for the last context write (before anything reads the drafter's cache or
-        rewrites the buffers it reads). A stream wait: the host goes on."""
-        if self._context_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._context_done)
-            self._context_done = None
+            if self.context_writer is not None:  # the taps are consumed here; nothing reads them after the replay
+                self.context_writer(taps, self.pos[:t], self.slots[:t])
+            else:
+                self.taps[:t].copy_(taps)
 
     # ---- replay ---------------------------------------------------------------------------------------------------
 
@@ -202,7 +179,6 @@ class GraphRunner:
         g = self.graphs[key]
         if self._copied is not None:  # the previous replay's copies out of the staging buffers have run
             self._copied.synchronize()
-        self.join_context()  # it reads the taps, positions and slots this replay rewrites
         n, r = len(input_ids), len(seq_lens)
         t, rr = g.num_tokens, g.num_reqs
         self.h_ids.numpy()[:n] = input_ids
@@ -234,16 +210,6 @@ class GraphRunner:
         self._copied.record()
         g.graph.replay()
         self.num_replays += 1
-        context = self.context_graphs.get(key)
-        if context is not None:
-            assert self.side_stream is not None
-            target_done = torch.cuda.Event()
-            target_done.record()
-            with torch.cuda.stream(self.side_stream):
-                self.side_stream.wait_event(target_done)
-                context.replay()
-                self._context_done = torch.cuda.Event()
-                self._context_done.record(self.side_stream)
-        # With a context writer the taps are the context graph's input, not the caller's.
+        # With a context writer the taps were consumed inside the graph and the buffer is not filled.
         taps = self.taps[:n] if self.tap_layers and self.context_writer is None else None
         return self.logits[:n], taps

@@ -110,8 +110,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        if self.graphs is not None:  # an eager step writes the drafter's cache too: after the last graph's write
-            self.graphs.join_context()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -240,7 +238,7 @@ class ModelRunner:
         logits = logits_of(logit_rows)
         target_probs = self.sampler.target_probs(logits[: len(rows)], rows)
         draft_probs = None
-        if self.verify_method == "probabilistic":
+        if self.verify_method == "probabilistic" and not all(v.greedy for v in vrows):
             draft_probs = torch.cat([self._pending_probs(s) for _, s in sampling])
         emitted = verify(target_probs, draft_probs, vrows, self.verify_method)
 
@@ -261,18 +259,26 @@ class ModelRunner:
         n = len(s.spec_token_ids)
         if not n:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        return self._draft_probs[s.request.request_id][:n]
+        probs = self._draft_probs.get(s.request.request_id)
+        if probs is None:
+            # Drafted in an all-greedy pass, verified beside a sampled row: greedy rows are verified by argmax and
+            # never read their distribution, which that pass did not compute.
+            assert sampling_row(s.request).greedy, (
+                f"request {s.request.request_id}: sampled drafts without a distribution"
+            )
+            return torch.zeros(n, self.model.config.vocab_size, device=self.device)
+        return probs[:n]
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> Proposal:
         """Drafts for the next step of these requests (each has all but its last token computed)."""
         assert self.drafter is not None
-        if self.graphs is not None:  # the drafting pass reads the context the last target step wrote
-            self.graphs.join_context()
         proposal = self.drafter.propose(requests)
-        if proposal.probs is not None:
-            for i, req in enumerate(requests):
+        for i, req in enumerate(requests):
+            if proposal.probs is not None:
                 self._draft_probs[req.request_id] = proposal.probs[i]
+            else:  # an all-greedy pass: an older pass's distribution must not pass for this one's
+                self._draft_probs.pop(req.request_id, None)
         return proposal
 
     def release(self, request_id: str, finished: bool = True) -> None:

@@ -171,3 +171,49 @@ def test_a_block_without_drafts_does_not_stop_drafting_for_good() -> None:
     planner.observe(["a"], [0], torch.zeros(1, K))  # a miss
     planner.observe(["a"], [0], torch.zeros(1, K))  # another: the first is now old enough to be read
     assert planner.should_draft(["a"])
+
+
+def test_a_step_with_a_prompt_chunk_is_not_a_regime_measurement() -> None:
+    """A prefill step is slow for reasons neither regime has: counted as a plain step it made plain decoding look
+    slower than drafting on the H200 (a level's first step is its requests' prefill). Decode steps do count."""
+    planner = VerificationPlanner(K, "async", 0.0, _pays_for_sure_drafts(), CPU)
+    prompt = Request("p", None, [1, 2, 3, 4, 5, 6], SamplingParams(), 0, None)  # nothing computed: a whole prompt
+    decoding = _request("d")
+
+    def step(sched: SchedulerOutput) -> None:
+        planner.step_started()
+        planner.plan(sched)
+        planner.step_finished(drafted=False, num_emitted=len(sched.scheduled))
+
+    step(SchedulerOutput([ScheduledRequest(prompt, 6), ScheduledRequest(decoding, 1)]))
+    step(SchedulerOutput([ScheduledRequest(decoding, 1)]))
+    planner.timing.harvest(planner.cost, planner.regime)  # type: ignore[arg-type]
+    assert planner.timing.num_steps == 2  # both steps still refine the cost model
+    # only the decode step measured the plain regime (level 1: one request)
+    assert set(planner.regime.rates()) == {1}
+    assert set(planner.regime.rates()[1]) == {"plain"}
+
+
+def test_counts_without_live_values_are_the_allocation() -> None:
+    """Where the planner skips the allocation kernel (and its device round trip), the counts are what the kernel's
+    torch twin gives for any live survivals: no budget, a budget covering every draft, or a single request."""
+    from dspark.spec.planner import _counts_without_live_values
+    from dspark.spec.scheduling import allocate_torch, slot_caps
+
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for trial in range(300):
+        num_reqs = 1 + trial % 4
+        caps = torch.randint(0, K + 1, (num_reqs,), generator=gen)
+        conf = torch.rand(num_reqs, K, generator=gen)
+        if trial % 5 == 0:
+            conf = torch.ones(num_reqs, K)  # ties everywhere
+        live = torch.where(torch.arange(K)[None, :] < caps[:, None], torch.cumprod(conf.clamp(1e-4, 1.0), 1), 0.0)
+        budget = int(torch.randint(0, int(caps.sum()) + 2, (1,), generator=gen))
+        fast = _counts_without_live_values(caps.tolist(), budget)
+        if fast is None:
+            assert num_reqs > 1 and 0 < budget < int(caps.sum())
+            continue
+        checked += 1
+        assert fast == allocate_torch(live, budget, slot_caps(live, caps)).tolist(), (caps, budget)
+    assert checked > 100

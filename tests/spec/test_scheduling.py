@@ -178,3 +178,24 @@ def test_flat_layout_matches_the_host_builder() -> None:
     assert qs.tolist() == want_qs and pos.tolist() == want_pos and slots.tolist() == want_slots
     zero = flat_layout(num_plain, torch.zeros(4, dtype=torch.int64), computed, tables, bs, int(num_plain.sum()))
     assert zero[0].tolist() == [0, 1, 6, 7, 7]  # budget 0: exactly the plain tokens' offsets
+
+
+def test_the_float_budget_choice_is_the_tensor_one() -> None:
+    """Few requests choose their budget in Python floats: the same sums in the same order, the same first maximum."""
+    from dspark.spec.cost_model import RefinedCostModel
+    from dspark.spec.scheduling import _choose_budget_floats, _choose_budget_tensors
+
+    gen = torch.Generator().manual_seed(1)
+    base = CostModel.from_points({1: 1.0, 8: 1.0, 16: 1.3, 64: 2.0, 256: 6.0}, {1: 0.4, 64: 0.9}, capture_limit=16)
+    refined = RefinedCostModel(base)
+    for r in range(1, 40):
+        refined.observe(r, base.step_ms(r, r), base.step_ms(r, r) + 0.01 * r)
+    for trial in range(400):
+        num_reqs = 1 + trial % 9
+        a = survival(torch.rand(num_reqs, 7, generator=gen) ** 0.3)
+        a[:, int(torch.randint(1, 8, (1,), generator=gen)) :] *= trial % 3 == 0  # some rows hold fewer drafts
+        if trial % 7 == 0:
+            a = torch.full_like(a, 0.5)  # ties
+        for cost in (base, refined):
+            want = _choose_budget_tensors(a, num_reqs, num_reqs + trial % 5, cost, None)
+            assert _choose_budget_floats(a, num_reqs, num_reqs + trial % 5, cost, None) == want, (trial, a)

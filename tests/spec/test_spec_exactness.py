@@ -270,3 +270,36 @@ def test_per_request_cap_on_drafts(tiny_model_dirs: dict[str, Path], drafters: d
     assert full.spec_num_draft_tokens > 2 * full.spec_num_drafts  # uncapped: more than 2 drafts a step on average
     assert 0 < capped.spec_num_draft_tokens <= 2 * capped.spec_num_drafts
     assert opted_out.spec_num_drafts == opted_out.spec_num_draft_tokens == 0
+
+
+def test_a_sampled_request_joins_greedy_ones_drafted_without_distributions(
+    tiny_model_dirs: dict[str, Path], drafters: dict[str, Path]
+) -> None:
+    """A pass whose rows are all greedy drafts argmaxes and keeps no distributions; a sampled request that then joins
+    is verified beside greedy rows drafted that way (their rows need none), and from its first drafting pass on the
+    pass samples again. Greedy outputs stay those without speculation, and nothing is left pending."""
+    model = str(tiny_model_dirs["llama"])
+    prompts = _prompts(5, [9, 30, 17])
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reference = _tokens(_llm(model, None).generate(prompts, greedy))
+    spec = {"method": "dspark", "model": str(drafters["llama"]), "enable_adaptive_verification": False}
+    llm = _llm(model, spec)
+    engine, runner = llm.engine, llm.engine.runner
+    for p in prompts:
+        engine.add_request(p, greedy)
+    for _ in range(3):  # prefill, then greedy passes: no distributions kept
+        engine.step()
+    assert runner._draft_probs == {}
+    assert engine.stats["spec_decode_num_draft_tokens"] > 0
+    engine.add_request(prompts[0][:5], SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True))
+    engine.step()  # its prefill beside greedy rows verified without distributions
+    engine.step()  # its drafts were sampled: it has a distribution, the greedy rows a one-hot each
+    assert len(runner._draft_probs) == len(prompts) + 1
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.outputs[0].token_ids
+    assert [outs[f"req-{i}"] for i in range(len(prompts))] == reference
+    assert len(outs[f"req-{len(prompts)}"]) == 20
+    assert runner._draft_probs == {} and engine.kv.num_used_blocks == 0

@@ -6,6 +6,9 @@ count R (worker/cuda_graphs.py's grid), with every per-step value in a static bu
 sequence lengths, block tables, temperatures, greedy flags and the block's uniforms. Padding request slots are empty
 (no query tokens, seq_len 0, slot -1: they write nothing and attend to nothing; their drafts are dropped).
 
+With a probabilistic drafter each size has two graphs: one that samples (softmax, inverse CDF, distributions out)
+and one for passes whose rows are all greedy, which only takes argmaxes.
+
 The outputs are copied out of the static buffers before they are returned: a request's draft distributions must stay
 what its drafts were drawn from until it is verified, which can be after another drafting pass reused the buffers.
 """
@@ -51,7 +54,7 @@ class DraftGraphs:
         vocab = drafter.target.config.vocab_size
         self.probs = torch.zeros(max_r, self.k, vocab, device=dev) if drafter.sample else None
         self.conf = torch.zeros(max_r, self.k, device=dev) if drafter.model.confidence_head is not None else None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (padded requests, samples?)
         self.num_replays = 0
         self._copied: torch.cuda.Event | None = None
 
@@ -62,7 +65,7 @@ class DraftGraphs:
         qsl, lens = self.d_meta[: r + 1], self.d_meta[self.sizes[-1] + 1 : self.sizes[-1] + 1 + r]
         return pos, slots, anchors, qsl, lens
 
-    def _run(self, backend: object, r: int) -> None:
+    def _run(self, backend: object, r: int, sample: bool) -> None:
         pos, slots, anchors, qsl, lens = self._views(r)
         meta = AttentionMetadata(
             num_actual_tokens=r * self.K,
@@ -78,10 +81,10 @@ class DraftGraphs:
         )
         draw = self.d_draw[:r]
         temps, greedy = draw[:, 0].float(), draw[:, 1] > 0.5
-        u_all = draw[:, 2:] if self.drafter.sample else None
+        u_all = draw[:, 2:] if sample else None
         tokens, probs, conf = self.drafter.block(backend, meta, anchors, pos, temps, greedy, u_all)  # type: ignore[arg-type]
         self.tokens[:r].copy_(tokens)
-        if self.probs is not None and probs is not None:
+        if self.probs is not None and probs is not None and sample:
             self.probs[:r].copy_(probs)
         if self.conf is not None and conf is not None:
             self.conf[:r].copy_(conf)
@@ -94,13 +97,14 @@ class DraftGraphs:
         backend_type = type(self.drafter.backend)
         with torch.cuda.stream(stream):
             for r in reversed(self.sizes):
-                self._fill([0] * r, [0] * (r * self.K), [-1] * (r * self.K), [self.K] * r, [[0]] * r, None)
-                backend = backend_type()
-                self._run(backend, r)  # warm-up: compiles, allocates handles
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._run(backend, r)
-                self.graphs[r] = graph
+                for sample in (True, False) if self.drafter.sample else (False,):
+                    self._fill([0] * r, [0] * (r * self.K), [-1] * (r * self.K), [self.K] * r, [[0]] * r, None)
+                    backend = backend_type()
+                    self._run(backend, r, sample)  # warm-up: compiles, allocates handles
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._run(backend, r, sample)
+                    self.graphs[r, sample] = graph
         torch.cuda.current_stream(self.drafter.device).wait_stream(stream)
         torch.cuda.synchronize(self.drafter.device)
 
@@ -158,12 +162,14 @@ class DraftGraphs:
         seq_lens: list[int],
         tables: list[list[int]],
         rows: list[DraftRow],
+        sample: bool,  # False: argmax drafts, no distributions (every row greedy, or a greedy drafter)
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(tokens [r, k] on the device, draft distributions [r, k, vocab] or None, confidences [r, k] or None)."""
         r = len(anchors)
+        sample = sample and self.drafter.sample
         self._fill(anchors, positions, slots, seq_lens, tables, rows, padded=key)
-        self.graphs[key].replay()
+        self.graphs[key, sample].replay()
         self.num_replays += 1
-        probs = self.probs[:r].clone() if self.probs is not None else None
+        probs = self.probs[:r].clone() if self.probs is not None and sample else None
         conf = self.conf[:r].clone() if self.conf is not None else None
         return self.tokens[:r], probs, conf
