@@ -57,6 +57,7 @@ ROW_KEYS = {
     "num_steps_without_drafting",
     "num_steps",
     "plan_time_fraction",
+    "regime_tokens_per_ms",
     "identical_to_no_spec",
 }
 
@@ -137,8 +138,12 @@ def test_rows(sweep: Sweep) -> None:
             assert row["num_steps_without_drafting"] >= 0
             assert row["verify_budget_mean"] is not None or row["spec_decode_num_drafts"] == 0
             assert 0 <= row["plan_time_fraction"] < 1
+            # what the regime measured, per load level: positive tokens/ms
+            rates = row["regime_tokens_per_ms"]
+            assert rates and all(v > 0 for level in rates.values() for v in level.values())
         else:
             assert row["verify_budget_mean"] is None and row["num_steps_without_drafting"] is None
+            assert row["regime_tokens_per_ms"] is None
 
 
 def test_greedy_outputs_match_no_spec(sweep: Sweep) -> None:

@@ -217,3 +217,37 @@ def test_counts_without_live_values_are_the_allocation() -> None:
         checked += 1
         assert fast == allocate_torch(live, budget, slot_caps(live, caps)).tolist(), (caps, budget)
     assert checked > 100
+
+
+def test_runs_of_plain_steps_are_timed_only_every_few_steps() -> None:
+    """On CUDA a plain step's timing costs ~4% of it, so a run of plain steps is sampled (every 4th); the plain steps
+    right after steps with drafts are always timed, so a regime burst still measures plain decoding."""
+    planner = VerificationPlanner(K, "async", 0.0, _pays_for_sure_drafts(), CPU)
+    planner.plain_timing_every = 4  # as on CUDA
+    req = _request("a")
+
+    def plain_step() -> None:
+        planner.step_started()
+        planner.plan(SchedulerOutput([ScheduledRequest(req, 1)]))
+        planner.step_finished(drafted=False, num_emitted=1)
+
+    def timed() -> int:
+        planner.timing.harvest(planner.cost, planner.regime)  # type: ignore[arg-type]
+        return planner.timing.num_steps
+
+    for _ in range(40):
+        plain_step()
+    assert timed() == 10  # one step in four
+    _observe(planner, ["a"], 0.9)  # drafts to verify next step
+    planner.step_started()
+    sched = _sched([req])
+    planner.plan(sched)
+    planner.record([("a", len(sched.scheduled[0].spec_token_ids), 0)])
+    planner.step_finished(drafted=False, num_emitted=1)
+    assert timed() == 11  # a step with drafts is always timed
+    for _ in range(4):
+        plain_step()
+    assert timed() == 15  # and so are the plain steps right after it
+    for _ in range(8):
+        plain_step()
+    assert timed() == 17
