@@ -3,19 +3,22 @@ millisecond, learned online per load level.
 
 The cost model predicts a step from profiled dummy steps; a real step also pays what the profile cannot see (per-request
 host work that differs between verifying and plain sampling, real contexts, other processes). Where the model says
-drafting pays but plain steps are in fact faster (or the reverse), the engine should follow the measurement. Each
-load level (requests emitting a token, in powers of two) keeps an exponential average of tokens/ms for steady steps of
-each regime: "spec" steps verified drafts and drafted again, "plain" steps did neither (a step that switches regime is
-neither). Once both are known the faster wins (a 3% margin keeps the model's choice on a near tie); until then, and
-between measurements, the model decides, except that a level not measured yet starts from its nearest measured
-neighbour's verdict where that transfers (plain measured faster at a lower load, or drafting at a higher one). Every
-so often the other regime runs for a short burst to keep its figure fresh. The first burst comes after FIRST_PERIOD
-steps, so that a new level learns both rates in a handful of steps: on the H200 the model's first choice at a new load
-level was to draft (it cannot see a drafting step's host work) and, with a first period of 8, a 256-step sweep row
-spent 7-10 steps drafting, each 2.5-4x a plain step. Then the bursts thin out (the period doubles) and, once both
-rates are known, they are also spaced by what the slower regime costs: a burst may cost at most EXPLORE_SHARE of the
-time between bursts. The cost is counted in time, not steps: a slower regime's step can last several of the faster
-one's, and each of its milliseconds loses (1 - slow rate / fast rate) of what the faster regime would have made.
+drafting pays but plain steps are in fact faster (or the reverse), the engine should follow the measurement. Each load
+level (requests emitting a token, in powers of two) keeps an exponential average of tokens/ms for steady steps of each
+regime: "spec" steps verified drafts and drafted again, "plain" steps did neither (a step that switches regime is
+neither). Once both are known the faster wins; on a near tie (within 3%) the engine stays in the regime it is in,
+without asking the model: the model cannot see a drafting step's host work and leans to drafting, and on the H200,
+levels a sweep row's ramp and tail pass through measured near ties on a few steps (level 8 of a C = 256 row: 20.7
+against 21.5 tokens/ms), and the model then chose to draft there. Until both are known, and between measurements, the
+model decides, except that a level not measured yet starts from its nearest measured neighbour's verdict where that
+transfers (plain measured faster at a lower load, or drafting at a higher one). Every so often the other regime runs for
+a short burst to keep its figure fresh. The first burst comes after FIRST_PERIOD steps, so that a new level learns both
+rates in a handful of steps: on the H200 the model's first choice at a new load level was to draft (it cannot see a
+drafting step's host work) and, with a first period of 8, a 256-step sweep row spent 7-10 steps drafting, each 2.5-4x a
+plain step. Then the bursts thin out (the period doubles) and, once both rates are known, they are also spaced by what
+the slower regime costs: a burst may cost at most EXPLORE_SHARE of the time between bursts. The cost is counted in time,
+not steps: a slower regime's step can last several of the faster one's, and each of its milliseconds loses (1 - slow
+rate / fast rate) of what the faster regime would have made.
 
 The choice reads only past measurements and the load, never a draft, so verification stays lossless.
 """
@@ -46,6 +49,7 @@ class RegimeChooser:
     def __init__(self) -> None:
         self.levels: dict[int, _Level] = {}
         self.num_explorations = 0
+        self._current: bool | None = None  # the regime last chosen outside a burst
 
     @staticmethod
     def level(num_requests: int) -> int:
@@ -53,9 +57,9 @@ class RegimeChooser:
 
     def choose(self, num_requests: int, model_says_draft: bool | Callable[[], bool]) -> bool:
         """model_says_draft: the cost model's answer, or a function computing it, asked only when the measured rates
-        leave the choice to it (none measured yet, or a near tie). On the H200 host its tensor ops took 20-30 ms a call
-        at R = 512 under torch.profiler (benchmarks/gpu/plain_step_trace.py); asked every 8 plain steps, that was the
-        gap between adaptive's plain steps (7.4 ms) and no-spec's (5.6 ms)."""
+        leave the choice to it (none measured yet and no neighbour's verdict). On the H200 host its tensor ops took
+        20-30 ms a call at R = 512 under torch.profiler (benchmarks/gpu/plain_step_trace.py); asked every 8 plain
+        steps, that was the gap between adaptive's plain steps (7.4 ms) and no-spec's (5.6 ms)."""
         ask = model_says_draft if callable(model_says_draft) else lambda: model_says_draft
         lv = self.levels.setdefault(self.level(num_requests), _Level())
         if lv.burst:
@@ -64,10 +68,14 @@ class RegimeChooser:
         else:
             if len(lv.rate) == 2:
                 spec, plain = lv.rate[True], lv.rate[False]
-                choice = spec > plain * (1 + MARGIN) or (spec * (1 + MARGIN) >= plain and ask())
+                if spec > plain * (1 + MARGIN) or plain > spec * (1 + MARGIN):
+                    choice = spec > plain
+                else:  # a near tie: stay (hysteresis), the model only when nothing was chosen yet
+                    choice = self._current if self._current is not None else ask()
             else:
                 inherited = self._neighbour_verdict(self.level(num_requests))
                 choice = ask() if inherited is None else inherited
+            self._current = choice
             other = not choice
             if lv.since[other] >= max(lv.period, self._spacing(lv)):
                 lv.burst, lv.burst_regime = BURST - 1, other
