@@ -818,7 +818,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_bench(benches, _Formatter)
 
-    from dspark.bench.load import add_parser as add_load_bench
+    from dspark.bench.load_cli import add_parser as add_load_bench
 
     add_load_bench(benches, _Formatter)
 

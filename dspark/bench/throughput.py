@@ -10,8 +10,6 @@ exactly the same weights (a GGUF's dequantised ones included) in the same dtype.
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 import os
 import platform
 import statistics
@@ -28,6 +26,7 @@ from dspark.bench.prompts import BUILTIN_PROMPTS
 from dspark.config import EngineConfig, SamplingParams
 from dspark.engine.engine import LLMEngine
 from dspark.errors import ConfigError
+from dspark.evals.data import numbered_jsonl_records
 from dspark.llm import LLM
 from dspark.models.llama import CausalLM
 from dspark.outputs import RequestOutput
@@ -74,27 +73,13 @@ def load_prompts(dataset_path: str | None, num_prompts: int) -> list[str]:
 def read_jsonl_prompts(path: Path) -> list[str]:
     """Prompts from a JSON-lines file (gzipped if it ends in .gz): each line's "prompt", else its first "turns" entry,
     else its "question"."""
-    try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-        lines = raw.decode("utf-8").splitlines()
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise ConfigError("dataset_path", str(path), f"a readable UTF-8 JSON-lines file ({e})") from None
+    wanted = "prompts (a string 'prompt', 'turns' (a list) or 'question' per line)"
     prompts = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError("dataset_path", f"{path}:{lineno}", f"each line must be a JSON object ({e})") from None
-        text = _prompt_of(record) if isinstance(record, dict) else None
+    for lineno, record in numbered_jsonl_records(str(path), "dataset_path", wanted):
+        text = _prompt_of(record)
         if not text:
-            raise ConfigError(
-                "dataset_path", f"{path}:{lineno}", "each line needs a string 'prompt', 'turns' (a list) or 'question'"
-            )
+            raise ConfigError("dataset_path", f"{path}:{lineno}", f"needs {wanted}")
         prompts.append(text)
-    if not prompts:
-        raise ConfigError("dataset_path", str(path), "holds no prompts")
     return prompts
 
 

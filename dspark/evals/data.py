@@ -13,6 +13,11 @@ from dspark.errors import ConfigError
 def read_jsonl_records(path: str | None, field: str, wanted: str) -> list[dict[str, Any]]:
     """The JSON objects of the file, one per non-empty line. `field` is the flag that named the file and `wanted` what
     it should hold, for the error message."""
+    return [record for _, record in numbered_jsonl_records(path, field, wanted)]
+
+
+def numbered_jsonl_records(path: str | None, field: str, wanted: str) -> list[tuple[int, dict[str, Any]]]:
+    """read_jsonl_records with each record's line number, for errors about a record's content."""
     if path is None:
         raise ConfigError(field, None, f"a JSON-lines file of {wanted}")
     file = Path(path)
@@ -31,7 +36,7 @@ def read_jsonl_records(path: str | None, field: str, wanted: str) -> list[dict[s
             raise ConfigError(field, f"{path}:{lineno}", f"each line must be a JSON object ({e})") from None
         if not isinstance(record, dict):
             raise ConfigError(field, f"{path}:{lineno}", "each line must be a JSON object")
-        records.append(record)
+        records.append((lineno, record))
     if not records:
         raise ConfigError(field, path, f"holds no records; expected {wanted}")
     return records
