@@ -24,7 +24,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from dspark.engine.scheduler import SchedulerOutput
@@ -55,25 +54,24 @@ class _Copy:
 
 @dataclass
 class CalibrationMonitor:
-    """Predicted vs realised acceptance of the drafts actually verified (numpy: a handful of small updates a step,
-    where each torch op costs several microseconds of host time)."""
+    """Predicted vs realised acceptance of the drafts actually verified."""
 
     num_blocks: int = 0
     predicted: float = 0.0  # sum over verified blocks of the survivals of their verified slots
     realised: float = 0.0  # sum of their accepted drafts
-    bin_count: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
-    bin_predicted: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
-    bin_realised: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
+    bin_count: torch.Tensor = field(default_factory=lambda: torch.zeros(NUM_BINS, dtype=torch.float64))
+    bin_predicted: torch.Tensor = field(default_factory=lambda: torch.zeros(NUM_BINS, dtype=torch.float64))
+    bin_realised: torch.Tensor = field(default_factory=lambda: torch.zeros(NUM_BINS, dtype=torch.float64))
 
     def add_blocks(
-        self, survivals: np.ndarray, outcomes: np.ndarray, verified: np.ndarray, accepted: np.ndarray
+        self, survivals: torch.Tensor, outcomes: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor
     ) -> None:
         """Many blocks at once: survivals and outcomes ([m] fp64 / bool) of all their verified slots, flattened;
         verified and accepted ([n, 1]) per block. Blocks that verified nothing do not count."""
-        bins = np.clip((survivals * NUM_BINS).astype(np.int64), 0, NUM_BINS - 1)
-        self.bin_count += np.bincount(bins, minlength=NUM_BINS)
-        self.bin_predicted += np.bincount(bins, weights=survivals, minlength=NUM_BINS)
-        self.bin_realised += np.bincount(bins, weights=outcomes.astype(np.float64), minlength=NUM_BINS)
+        bins = (survivals * NUM_BINS).long().clamp_(0, NUM_BINS - 1)
+        self.bin_count += torch.bincount(bins, minlength=NUM_BINS).double()
+        self.bin_predicted += torch.bincount(bins, weights=survivals, minlength=NUM_BINS)
+        self.bin_realised += torch.bincount(bins, weights=outcomes.double(), minlength=NUM_BINS)
         counted = verified > 0
         self.num_blocks += int(counted.sum())
         self.predicted += float(survivals.sum())
@@ -82,7 +80,7 @@ class CalibrationMonitor:
     @property
     def ece(self) -> float:
         total = float(self.bin_count.sum())
-        return float(np.abs(self.bin_predicted - self.bin_realised).sum()) / total if total else 0.0
+        return float((self.bin_predicted - self.bin_realised).abs().sum()) / total if total else 0.0
 
 
 @dataclass
@@ -136,17 +134,6 @@ class StepTiming:
         return [e / self.num_steps for e in self.sum_error] if self.num_steps else [0.0] * 4
 
 
-def _add_by_stratum(table: np.ndarray, strata: np.ndarray, rows: np.ndarray) -> None:
-    """table[strata[i]] += rows[i] for every i. NOTE: not np.add.at, which is slow on many rows: a drafter has one
-    stratum (the n-gram drafter a few), so a sum per stratum present is a handful of ops."""
-    first = int(strata[0])
-    if (strata == first).all():
-        table[first] += rows.sum(axis=0)
-        return
-    for s in np.unique(strata):
-        table[s] += rows[strata == s].sum(axis=0)
-
-
 def _counts_without_live_values(caps: list[int], budget: int) -> list[int] | None:
     """The allocation where it cannot depend on the live survivals: nothing verified, everything verified, or one
     request (survivals never rise along a block and ties go to the earlier slot, so its top slots are its first
@@ -193,8 +180,8 @@ class VerificationPlanner:
         self._copies: deque[_Copy] = deque()
         self._prior = 0.5 ** torch.arange(1, num_spec_tokens + 1, dtype=torch.float64)  # before any survival is seen
         # Conditional acceptance per stratum and position: reached (every earlier draft accepted) and accepted counts.
-        self.reached = np.zeros((num_strata, num_spec_tokens))
-        self.accepted = np.zeros((num_strata, num_spec_tokens))
+        self.reached = torch.zeros(num_strata, num_spec_tokens, dtype=torch.float64)
+        self.accepted = torch.zeros(num_strata, num_spec_tokens, dtype=torch.float64)
         self.calibration = CalibrationMonitor()
         self.timing = StepTiming()
         self.regime = RegimeChooser()
@@ -253,7 +240,7 @@ class VerificationPlanner:
         k = self.k
         slots = self._rows(request_ids)
         if confidences is None:
-            rates = torch.from_numpy((self.accepted + 1.0) / (self.reached + 2.0))  # Beta(1, 1): 0.5 before any
+            rates = (self.accepted + 1.0) / (self.reached + 2.0)  # Beta(1, 1) prior: 0.5 before any outcome
             rows = torch.tensor(strata or [0] * len(request_ids), dtype=torch.int64).clamp_(0, rates.shape[0] - 1)
             current = upload_tensor(rates[rows].float(), self.device)
             if strata is not None:
@@ -263,9 +250,10 @@ class VerificationPlanner:
             if current.shape[1] < k:
                 current = torch.cat([current, current.new_zeros(current.shape[0], k - current.shape[1])], dim=1)
         current = current.clamp(MIN_CONFIDENCE, 1.0)
-        packed = upload(slots + num_drafts, torch.int64, current.device)  # one upload: each costs ~15 us on CUDA
-        index, drafts = packed[: len(slots)], packed[len(slots) :]
-        held = torch.arange(k, device=current.device)[None, :] < drafts[:, None]
+        index = upload(slots, torch.int64, current.device)
+        held = (
+            torch.arange(k, device=current.device)[None, :] < upload(num_drafts, torch.int64, current.device)[:, None]
+        )
         # NOTE: learned rates are already averages over many blocks: smoothing them again only mixes in a stale
         # stratum (measured: alpha 0 predicts n-gram acceptance best at every batch size, README).
         has = [rid in self._history for rid in request_ids]
@@ -287,8 +275,8 @@ class VerificationPlanner:
 
     def _publish(self, request_ids: list[str], slots: list[int], live: torch.Tensor) -> None:
         if not self.adaptive:
-            # NOTE: nothing harvests copies in fixed mode (no budget to choose): only the newest, which record()
-            # reads, may stay. They used to pile up, [R, K] of pinned memory a step for as long as the engine ran.
+            # NOTE: nothing harvests the copies in fixed mode (there is no budget to choose); they used to pile up,
+            # [R, K] of pinned memory a step, for as long as the engine ran.
             self._copies.clear()
         if live.is_cuda:
             host = torch.empty(live.shape, dtype=live.dtype, pin_memory=True)
@@ -435,33 +423,27 @@ class VerificationPlanner:
     # ---- 3. after verifying -------------------------------------------------------------------------------------
 
     def record(self, outcomes: list[tuple[str, int, int]], trace: bool = False) -> list[dict[str, object]]:
-        """The step's verified blocks, (request id, drafts verified, drafts accepted) each. Their survivals come from
-        the host copy observe() published when they were drafted (or, failing that, one device-to-host copy). Returns
-        their trace records when asked (raw confidences, counts)."""
+        """The step's verified blocks, (request id, drafts verified, drafts accepted) each: one device-to-host copy for
+        all of them. Returns their trace records when asked (raw confidences, counts)."""
         known = [(rid, v, a) for rid, v, a in outcomes if rid in self._pending]
         if not known:
             return []
         self._pending.difference_update(rid for rid, _, _ in known)
+        index = upload([self._slot[rid] for rid, _, _ in known], torch.int64, self.device)
+        # NOTE: the one copy, and the step's wait for it (an event, not a stream sync).
+        host_t = Download(torch.cat([self._live[index], self._raw[index]], dim=1).double()).wait()[0]
         k = self.k
-        live = None if trace else self._published_survivals([rid for rid, _, _ in known])
-        host_t = None
-        if live is None:
-            index = upload([self._slot[rid] for rid, _, _ in known], torch.int64, self.device)
-            # NOTE: a copy, and the step's wait for it (an event, not a stream sync).
-            host_t = Download(torch.cat([self._live[index], self._raw[index]], dim=1).double()).wait()[0].numpy()
-            live = host_t[:, :k]
-        positions = np.arange(k)
+        positions = torch.arange(k)
         # Every request's outcome at once: a per-request loop of small tensor ops cost ~70 us a request (H200 host).
-        strata = np.array([self._stratum.get(rid, 0) for rid, _, _ in known], dtype=np.int64)
-        verified = np.array([v for _, v, _ in known], dtype=np.int64)[:, None]
-        accepted = np.array([a for _, _, a in known], dtype=np.int64)[:, None]
-        _add_by_stratum(self.reached, strata, (positions < verified) & (positions <= accepted))
-        _add_by_stratum(self.accepted, strata, positions < accepted)
+        strata = torch.tensor([self._stratum.get(rid, 0) for rid, _, _ in known], dtype=torch.int64)
+        verified = torch.tensor([v for _, v, _ in known], dtype=torch.int64)[:, None]
+        accepted = torch.tensor([a for _, _, a in known], dtype=torch.int64)[:, None]
+        self.reached.index_add_(0, strata, ((positions < verified) & (positions <= accepted)).double())
+        self.accepted.index_add_(0, strata, (positions < accepted).double())
         in_block = positions < verified  # [n, k]: the verified slots
-        self.calibration.add_blocks(live[in_block], (positions < accepted)[in_block], verified, accepted)
+        self.calibration.add_blocks(host_t[:, :k][in_block], (positions < accepted)[in_block], verified, accepted)
         records: list[dict[str, object]] = []
         if trace:
-            assert host_t is not None
             for i, (rid, num_verified, num_accepted) in enumerate(known):
                 num_drafts = int((host_t[i, :k] > 0).sum())
                 records.append(
@@ -475,22 +457,6 @@ class VerificationPlanner:
                     }
                 )
         return records
-
-    def _published_survivals(self, request_ids: list[str]) -> np.ndarray | None:
-        """[n, K] fp64: these requests' pending survivals from the newest published host copy (the one observe() made
-        when they drafted, a step ago: its transfer has long finished), or None when it does not hold them all.
-        NOTE: on the H200 at C = 1, record() took 0.41 ms of a 2.93 ms fixed-7 step; a gather, a copy back and a
-        wait were part of it (benchmarks/gpu/step_profile.py)."""
-        if not self._copies:
-            return None
-        copy = self._copies[-1]
-        row = {rid: i for i, rid in enumerate(copy.request_ids)}
-        rows = [row.get(rid) for rid in request_ids]
-        if any(i is None or copy.slots[i] != self._slot.get(rid) for i, rid in zip(rows, request_ids, strict=True)):
-            return None
-        if copy.event is not None:
-            copy.event.synchronize()  # done a step ago: returns at once
-        return copy.host.numpy()[rows].astype(np.float64)
 
     def survivals(self, request_id: str) -> torch.Tensor | None:
         """The live survivals ([K]) of the request's pending drafts; None when it has none."""

@@ -254,16 +254,13 @@ def test_runs_of_plain_steps_are_timed_only_every_few_steps() -> None:
 
 
 @pytest.mark.parametrize("mode", ["fixed", "async", "sync"])
-def test_published_copies_do_not_pile_up_and_record_reads_the_newest(mode: str) -> None:
-    """Every drafting pass publishes its survivals to the host; record() reads the verified blocks' survivals from the
-    newest copy (the same values a fresh copy would give), and old copies are dropped in every mode."""
+def test_published_copies_do_not_pile_up(mode: str) -> None:
+    """Every drafting pass publishes its survivals to the host (pinned memory on CUDA); old copies are dropped in
+    every mode. In fixed mode nothing harvested them, and they piled up for the engine's life."""
     planner = VerificationPlanner(K, mode, 0.0, _pays_for_sure_drafts(), CPU)
     reqs = [_request("a"), _request("b")]
     for step in range(50):
-        conf = torch.full((2, K), 0.5 + step / 200)
-        planner.observe(["a", "b"], [K, 2], conf)
-        live = torch.stack([planner.survivals("a"), planner.survivals("b")]).double().numpy()  # type: ignore[misc]
-        assert (planner._published_survivals(["b", "a"]) == live[[1, 0]]).all()
+        planner.observe(["a", "b"], [K, 2], torch.full((2, K), 0.5 + step / 200))
         planner.step_started()
         sched = _sched(reqs)
         planner.plan(sched)
@@ -272,18 +269,3 @@ def test_published_copies_do_not_pile_up_and_record_reads_the_newest(mode: str) 
         planner.step_finished(drafted=True, num_emitted=4)
     assert len(planner._copies) <= 2
     assert planner.calibration.num_blocks > 0 and planner.calibration.predicted > 0
-
-
-def test_per_stratum_sums_are_those_of_add_at() -> None:
-    import numpy as np
-
-    from dspark.spec.planner import _add_by_stratum
-
-    rng = np.random.default_rng(0)
-    for n, num_strata in [(1, 1), (5, 1), (300, 1), (40, 6), (1, 6)]:
-        strata = rng.integers(0, num_strata, n)
-        rows = rng.random((n, K)) < 0.5
-        want, got = np.zeros((num_strata, K)), np.zeros((num_strata, K))
-        np.add.at(want, strata, rows)
-        _add_by_stratum(got, strata, rows)
-        assert (want == got).all()
