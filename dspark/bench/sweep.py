@@ -165,6 +165,8 @@ class Round:
     counters: dict[str, float]  # COUNTERS' deltas over the round, the planner's budget sum and step count; {} for hf
     # adaptive: the regime's measured tokens/ms per load level at the round's end (spec/regime.py), for diagnosis
     regime_rates: dict[int, dict[str, float]] | None = None
+    # adaptive: per load level, the round's steps that drafted ("spec") and that did not ("plain")
+    regime_steps: dict[int, dict[str, int]] | None = None
 
     @property
     def output_throughput(self) -> float:
@@ -177,6 +179,7 @@ def run_row(
     """The prompts through the engine with at most `concurrency` in flight; the round and the outputs in order."""
     engine.kv.reset_prefix_cache()  # every row starts cold
     before = _counters(engine)
+    steps_before = _regime_steps(engine)
     bar = tqdm(total=len(prompt_ids) * (params.max_tokens or 0), desc=label, unit="tok", file=sys.stderr, leave=False)
     ids: list[str] = []
     final: dict[str, RequestOutput] = {}
@@ -220,8 +223,26 @@ def run_row(
         e2el,
         {k: after[k] - before[k] for k in after},
         engine.planner.regime.rates() if engine.planner is not None and engine.planner.adaptive else None,
+        _steps_delta(steps_before, _regime_steps(engine)),
     )
     return round_, token_ids
+
+
+def _regime_steps(engine: LLMEngine) -> dict[int, dict[str, int]] | None:
+    planner = engine.planner
+    if planner is None or not planner.adaptive:
+        return None
+    return {lvl: dict(n) for lvl, n in planner.regime.num_chosen.items()}
+
+
+def _steps_delta(
+    before: dict[int, dict[str, int]] | None, after: dict[int, dict[str, int]] | None
+) -> dict[int, dict[str, int]] | None:
+    if before is None or after is None:
+        return None
+    zero = {"spec": 0, "plain": 0}
+    delta = {lvl: {k: n[k] - before.get(lvl, zero)[k] for k in n} for lvl, n in after.items()}
+    return {lvl: n for lvl, n in delta.items() if any(n.values())}
 
 
 def _counters(engine: LLMEngine) -> dict[str, float]:
@@ -461,6 +482,8 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
             "plan_time_fraction": d["plan_ms"] / (r.elapsed_s * 1e3) if arm.adaptive else None,
             # tokens/ms of each regime per load level (requests, in powers of two: level L holds 2^(L-1)..2^L - 1)
             "regime_tokens_per_ms": r.regime_rates,
+            # the drafting choice's steps per load level over the row: where adaptive drafted
+            "regime_steps": r.regime_steps,
             # Greedy decoding must not change a token: "n/N" of this row's outputs equal no-spec's (temperature 0).
             "identical_to_no_spec": None,
         }

@@ -489,6 +489,7 @@ class VerificationPlanner:
             "spec_decode_num_steps_without_drafting": self.num_steps_without_drafting,
             "spec_decode_regime_explorations": self.regime.num_explorations,
             "spec_decode_regime_tokens_per_ms": self.regime.rates(),
+            "spec_decode_regime_steps": {lvl: dict(n) for lvl, n in self.regime.num_chosen.items()},
             "spec_decode_predicted_accepted_tokens": cal.predicted,
             "spec_decode_realised_accepted_tokens": cal.realised,
             "spec_decode_calibration_error": cal.ece,

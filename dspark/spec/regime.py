@@ -50,6 +50,7 @@ class RegimeChooser:
         self.levels: dict[int, _Level] = {}
         self.num_explorations = 0
         self._current: bool | None = None  # the regime last chosen outside a burst
+        self.num_chosen: dict[int, dict[str, int]] = {}  # level -> {"spec": steps that drafted, "plain": ...}
 
     @staticmethod
     def level(num_requests: int) -> int:
@@ -84,6 +85,8 @@ class RegimeChooser:
                 choice = other
         lv.since[choice] = 0
         lv.since[not choice] += 1
+        counts = self.num_chosen.setdefault(self.level(num_requests), {"spec": 0, "plain": 0})
+        counts["spec" if choice else "plain"] += 1
         return choice
 
     def _neighbour_verdict(self, level: int) -> bool | None:

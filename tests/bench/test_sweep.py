@@ -58,6 +58,7 @@ ROW_KEYS = {
     "num_steps",
     "plan_time_fraction",
     "regime_tokens_per_ms",
+    "regime_steps",
     "identical_to_no_spec",
 }
 
@@ -141,9 +142,13 @@ def test_rows(sweep: Sweep) -> None:
             # what the regime measured, per load level: positive tokens/ms
             rates = row["regime_tokens_per_ms"]
             assert rates and all(v > 0 for level in rates.values() for v in level.values())
+            # the row's drafting choices per level: the plain ones are its steps without drafting
+            steps = row["regime_steps"]
+            assert steps and sum(n["plain"] for n in steps.values()) == row["num_steps_without_drafting"]
+            assert sum(n["spec"] + n["plain"] for n in steps.values()) <= row["num_steps"]
         else:
             assert row["verify_budget_mean"] is None and row["num_steps_without_drafting"] is None
-            assert row["regime_tokens_per_ms"] is None
+            assert row["regime_tokens_per_ms"] is None and row["regime_steps"] is None
 
 
 def test_greedy_outputs_match_no_spec(sweep: Sweep) -> None:
