@@ -9,16 +9,17 @@ regime: "spec" steps verified drafts and drafted again, "plain" steps did neithe
 neither). Once both are known the faster wins; on a near tie (within 3%) the engine stays in the regime it is in,
 without asking the model: the model cannot see a drafting step's host work and leans to drafting, and on the H200,
 levels a sweep row's ramp and tail pass through measured near ties on a few steps (level 8 of a C = 256 row: 20.7
-against 21.5 tokens/ms), and the model then chose to draft there. Until both are known, and between measurements, the
-model decides, except that a level not measured yet starts from its nearest measured neighbour's verdict where that
-transfers (plain measured faster at a lower load, or drafting at a higher one). Every so often the other regime runs for
-a short burst to keep its figure fresh. The first burst comes after FIRST_PERIOD steps, so that a new level learns both
-rates in a handful of steps: on the H200 the model's first choice at a new load level was to draft (it cannot see a
-drafting step's host work) and, with a first period of 8, a 256-step sweep row spent 7-10 steps drafting, each 2.5-4x a
-plain step. Then the bursts thin out (the period doubles) and, once both rates are known, they are also spaced by what
-the slower regime costs: a burst may cost at most EXPLORE_SHARE of the time between bursts. The cost is counted in time,
-not steps: a slower regime's step can last several of the faster one's, and each of its milliseconds loses (1 - slow
-rate / fast rate) of what the faster regime would have made.
+against 21.5 tokens/ms), where the old rule left the choice to the model (that it then drafted there is inferred from
+the rows' rates and drafting counts; per-step choices were not recorded). Until both are known, and between
+measurements, the model decides, except that a level not measured yet starts from its nearest measured neighbour's
+verdict where that transfers (plain measured faster at a lower load, or drafting at a higher one). Every so often the
+other regime runs for a short burst to keep its figure fresh. The first burst comes after FIRST_PERIOD steps, so that a
+new level learns both rates in a handful of steps: on the H200 the model's first choice at a new load level was to draft
+(it cannot see a drafting step's host work) and, with a first period of 8, a 256-step sweep row spent 7-10 steps
+drafting, each 2.5-4x a plain step. Then the bursts thin out (the period doubles) and, once both rates are known, they
+are also spaced by what the slower regime costs: a burst may cost at most EXPLORE_SHARE of the time between bursts. The
+cost is counted in time, not steps: a slower regime's step can last several of the faster one's, and each of its
+milliseconds loses (1 - slow rate / fast rate) of what the faster regime would have made.
 
 The choice reads only past measurements and the load, never a draft, so verification stays lossless.
 """
