@@ -28,7 +28,7 @@ def host_ms(concurrency: int, output_kind: str, thaw: bool, steps: int, spec: bo
         planner, regime_choose = engine.planner, engine.planner.regime.choose
         planner.regime.choose = lambda n, model_says: regime_choose(n, False) and False  # type: ignore[method-assign]
 
-    def stub(sched: mr.SchedulerOutput) -> mr.RunnerOutput:
+    def stub(sched: mr.SchedulerOutput, previous: mr.Launched | None = None) -> mr.Launched:
         # the runner's host work: input lists, then the sampling rows; one token per sampling request
         ids: list[int] = []
         for s in sched.scheduled:
@@ -36,9 +36,10 @@ def host_ms(concurrency: int, output_kind: str, thaw: bool, steps: int, spec: bo
             ids += req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + s.num_new_tokens]
             mr.slots_for(req.block_ids, req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens, 16)
         [mr.sampling_row(s.request) for s in sched.scheduled]
-        return mr.RunnerOutput({s.request.request_id: [SampledRow(100)] for s in sched.scheduled if s.samples})
+        sampled = {s.request.request_id: [SampledRow(100)] for s in sched.scheduled if s.samples}
+        return mr.Launched(sched, output=mr.RunnerOutput(sampled))
 
-    engine.runner.execute = stub  # type: ignore[method-assign]
+    engine.runner.launch = stub  # type: ignore[method-assign]
     params = SamplingParams(temperature=1.0, max_tokens=steps + 200, ignore_eos=True, output_kind=output_kind)
     for i in range(concurrency):
         engine.add_request([1, 2, 3, 4, 5, 6, 7, 8 + i % 50] * 8, params)

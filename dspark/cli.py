@@ -129,6 +129,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: bool = Tru
     )
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prepare and launch the next decode step while the device runs this one (default: on for CUDA)",
+    )
+    g.add_argument(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default="auto",

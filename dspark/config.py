@@ -215,6 +215,9 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # Overlap: the host prepares and launches decode step t+1 while the device runs step t (vLLM's
+    # --async-scheduling). None: on for CUDA, off elsewhere (a CPU runs its steps synchronously anyway).
+    async_scheduling: bool | None = None
     # auto: Triton on CUDA (when triton is installed), the torch reference elsewhere
     attention_backend: str = "auto"
     seed: int = 0
@@ -238,6 +241,8 @@ class EngineConfig:
         _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enforce_eager", self.enforce_eager)
+        if self.async_scheduling is not None:
+            _check_bool("async_scheduling", self.async_scheduling)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_int("seed", self.seed, 0, 2**63 - 1)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

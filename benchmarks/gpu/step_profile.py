@@ -4,7 +4,8 @@
 
 Each configuration (no speculation, DSpark fixed k = 7, DSpark adaptive) gets one engine; C requests decode in
 steady state (ignore_eos, greedy) and N steps are timed with every phase wrapped. A phase's time includes what it
-waits for on the device (the step's one download wait sits in execute or propose).
+waits for on the device (the step's one download wait sits in collect, launch (verification) or propose). With
+async scheduling (on by default on CUDA) a plain step's launch is of the next step, before this one is collected.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def profile(name: str, device: str, concurrency: int, steps: int, cprofile: int 
         engine.step()
     acc: collections.Counter[str] = collections.Counter()
     wrap(engine.scheduler, "schedule", "schedule", acc)
-    wrap(engine.runner, "execute", "execute", acc)
+    wrap(engine.runner, "launch", "launch", acc)  # inputs, graph replay, sampling queued
+    wrap(engine.runner, "collect", "collect", acc)  # the wait for the step's tokens
     wrap(engine.runner, "propose", "propose", acc)
     wrap(engine, "_process", "process", acc)
     eager = collections.Counter()  # steps the CUDA graphs did not cover, by (tokens, requests, max query length)

@@ -30,7 +30,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -167,6 +167,8 @@ class Round:
     regime_rates: dict[int, dict[str, float]] | None = None
     # adaptive: per load level, the round's steps that drafted ("spec") and that did not ("plain")
     regime_steps: dict[int, dict[str, int]] | None = None
+    # wall ms of each step, by what it ran (engine.step_kind): where a row's time went
+    step_ms: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def output_throughput(self) -> float:
@@ -188,12 +190,16 @@ def run_row(
         i = len(ids)
         ids.append(engine.add_request(prompt_ids[i], dataclasses.replace(params, seed=i)))
 
+    step_ms: dict[str, list[float]] = {}
     start = time.perf_counter()
     while len(ids) < min(concurrency, len(prompt_ids)):
         submit()
     max_in_flight = engine.num_unfinished_requests
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        step_ms.setdefault(engine.last_step_kind, []).append((time.perf_counter() - step_start) * 1e3)
+        for out in outputs:
             bar.update(len(out.new_token_ids))
             if out.finished:
                 final[out.request_id] = out
@@ -224,6 +230,7 @@ def run_row(
         {k: after[k] - before[k] for k in after},
         engine.planner.regime.rates() if engine.planner is not None and engine.planner.adaptive else None,
         _steps_delta(steps_before, _regime_steps(engine)),
+        step_ms,
     )
     return round_, token_ids
 
@@ -484,6 +491,16 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
             "regime_tokens_per_ms": r.regime_rates,
             # the drafting choice's steps per load level over the row: where adaptive drafted
             "regime_steps": r.regime_steps,
+            # per kind of step (engine.step_kind): steps, their total and median wall ms, and the slowest
+            "step_ms_by_kind": {
+                kind: {
+                    "steps": len(ms),
+                    "total_ms": round(sum(ms), 2),
+                    "median_ms": round(statistics.median(ms), 3),
+                    "max_ms": round(max(ms), 2),
+                }
+                for kind, ms in r.step_ms.items()
+            },
             # Greedy decoding must not change a token: "n/N" of this row's outputs equal no-spec's (temperature 0).
             "identical_to_no_spec": None,
         }

@@ -17,7 +17,7 @@ from dspark.config import EngineConfig, SamplingParams
 from dspark.engine.detokenizer import IncrementalDetokenizer
 from dspark.engine.kv_cache import KVCacheManager
 from dspark.engine.request import Logprob, Request, RequestStatus
-from dspark.engine.scheduler import Scheduler
+from dspark.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dspark.errors import ConfigError, DSparkError
 from dspark.models.loader import load_model
 from dspark.models.registry import SHIPPED_DRAFTERS, resolve_model, shipped_drafter
@@ -28,7 +28,7 @@ from dspark.spec.dspark.model import DSparkModel
 from dspark.spec.planner import VerificationPlanner
 from dspark.spec.trace import TraceWriter
 from dspark.tokenizer import load_tokenizer
-from dspark.worker.model_runner import ModelRunner, kv_bytes_per_block, make_backend
+from dspark.worker.model_runner import Launched, ModelRunner, kv_bytes_per_block, make_backend
 from dspark.worker.profiler import load_or_profile
 from dspark.worker.sampler import SampledRow
 
@@ -46,6 +46,21 @@ class _Tracked:
     deferred: list[int] | None = None
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
+
+
+def _reads_tokens(p: SamplingParams) -> bool:
+    """Sampling that reads the request's tokens or returns logprobs: its next step cannot be launched before its last
+    token reaches the host."""
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logprobs is not None)
+
+
+def step_kind(has_chunk: bool, verified: bool, drafted: bool) -> str:
+    """ "prefill" (the step fed a prompt chunk), else "plain", "verify+draft", "verify" or "draft"."""
+    if has_chunk:
+        return "prefill"
+    if verified:
+        return "verify+draft" if drafted else "verify"
+    return "draft" if drafted else "plain"
 
 
 def pick_device(name: str) -> torch.device:
@@ -168,6 +183,11 @@ class LLMEngine:
         # cycle is never collected, so the next engine's construction thaws everything first.
         gc.collect()
         gc.freeze()
+        self.last_step_kind = ""  # what the last step ran (step_kind)
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        )
+        self._inflight: Launched | None = None  # async scheduling: a step launched and not collected yet
         self.stats = {
             "num_requests_finished": 0,
             "num_requests_aborted": 0,
@@ -175,6 +195,7 @@ class LLMEngine:
             "num_prompt_tokens": 0,
             "num_generation_tokens": 0,
             "num_steps": 0,
+            "num_pipelined_steps": 0,  # steps launched before the previous one was collected (async scheduling)
             "spec_decode_num_drafts": 0,
             "spec_decode_num_draft_tokens": 0,
             "spec_decode_num_accepted_tokens": 0,
@@ -348,24 +369,54 @@ class LLMEngine:
         finish_reason "error" and its blocks freed; it is logged with its traceback. A fault of the step itself (the
         model runner, drafting) propagates from here, leaving the requests in flight to the caller, who aborts them;
         the engine then serves new requests."""
-        sched = self.scheduler.schedule()
-        for rid in sched.preempted:  # their drafts were dropped; so go the distributions they were drawn from
-            self.runner.release(rid, finished=False)
+        try:
+            return self._step()
+        except BaseException:
+            # NOTE: a step launched ahead (async scheduling) continues one that was not processed: run after a fault,
+            # its tokens would take the place of the lost ones. Dropped, the requests recompute from what they have.
+            self._inflight = None
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        launched, self._inflight = self._inflight, None
+        continued = launched is not None  # launched by the previous call, before it collected its own step
+        if launched is None:
+            sched = self.scheduler.schedule()
+            for rid in sched.preempted:  # their drafts were dropped; so go the distributions they were drawn from
+                self.runner.release(rid, finished=False)
+                if self.planner is not None:
+                    self.planner.drop_drafts(rid)
+            if not sched.scheduled:
+                if self.scheduler.has_unfinished():
+                    raise DSparkError("scheduler made no progress: the KV cache cannot hold even one request")
+                return []
+            now = time.monotonic()
+            for s in sched.scheduled:
+                s.request.first_scheduled_time = s.request.first_scheduled_time or now
             if self.planner is not None:
-                self.planner.drop_drafts(rid)
-        if not sched.scheduled:
-            if self.scheduler.has_unfinished():
-                raise DSparkError("scheduler made no progress: the KV cache cannot hold even one request")
-            return []
-        now = time.monotonic()
-        for s in sched.scheduled:
-            s.request.first_scheduled_time = s.request.first_scheduled_time or now
+                self.planner.step_started()
+                self.planner.plan(sched)  # adaptive verification: cut each request's drafts to those worth verifying
+            launched = self.runner.launch(sched)
+        sched = launched.sched
         num_held = {s.request.request_id: len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids}
-        if self.planner is not None:
-            self.planner.step_started()
-            self.planner.plan(sched)  # adaptive verification: cut each request's drafts to those worth verifying
-        result = self.runner.execute(sched)
+        # A request past its prefill feeds one token (its last) besides its drafts; any other feeds a prompt chunk.
+        has_chunk = any(
+            not s.continues and s.request.num_computed_tokens + 1 < s.request.num_tokens for s in sched.scheduled
+        )
+        # Async scheduling: the next step is launched now, before this one's tokens reach the host, so that the device
+        # runs it while the host processes these.
+        draft_choice = None
+        nxt = self._continuation(launched)
+        if isinstance(nxt, bool):  # not continued: the drafting choice it was refused for
+            draft_choice = nxt
+        elif nxt is not None:
+            draft_choice = False
+            if self.planner is not None and not continued:
+                self.planner.skip_timing()  # its measured time would include the next step's launch
+            self._inflight = self.runner.launch(nxt, previous=launched)
+        result = self.runner.collect(launched)
         self.stats["num_steps"] += 1
+        self.stats["num_pipelined_steps"] += continued
         now = time.monotonic()
         outputs = []
         drafting: list[Request] = []
@@ -379,6 +430,8 @@ class LLMEngine:
             records = self.planner.record(outcomes, trace=self.trace is not None)
         for s in sched.scheduled:
             req = s.request
+            if req.status.finished:  # stopped or aborted after its continued step was launched: that token is void
+                continue
             num_rejected = 0
             if s.spec_token_ids:
                 num_rejected = len(s.spec_token_ids) - result.num_accepted[req.request_id]
@@ -409,18 +462,63 @@ class LLMEngine:
                     and req.sampling_params.max_speculative_tokens != 0
                 ):
                     drafting.append(req)
-        drafted = bool(drafting) and (
-            self.planner is None or self.planner.should_draft([r.request_id for r in drafting])
-        )
+        if draft_choice is None:
+            draft_choice = bool(drafting) and (
+                self.planner is None or self.planner.should_draft([r.request_id for r in drafting])
+            )
+        drafted = draft_choice and bool(drafting)
         if drafted:
             self._draft(drafting)
+        # What the step ran, for diagnosis (bench sweep times each kind): "prefill" if it fed a prompt chunk, else
+        # whether it verified drafts and whether it drafted.
+        self.last_step_kind = step_kind(has_chunk, bool(num_held), drafted)
         if self.planner is not None:
-            self.planner.step_finished(drafted, sum(len(rows) for rows in result.sampled.values()))
+            num_emitted = sum(len(rows) for rows in result.sampled.values())
+            if continued:
+                self.planner.continued_step_finished(len(sched.scheduled), num_emitted, bool(self._inflight))
+            else:
+                self.planner.step_finished(drafted, num_emitted)
         if self.trace is not None and records:
             self.trace.step(
                 self.stats["num_steps"], sched.num_tokens - sum(r["num_verified"] for r in records), records
             )
         return outputs
+
+    def _continuation(self, launched: Launched) -> SchedulerOutput | bool | None:
+        """Async scheduling: the step that continues `launched` (collected next), or None where the next step needs
+        the host: a prompt chunk, drafts, preemption, waiting requests (to be admitted), penalties or logprobs (they
+        read the tokens), running requests left out. False or True: the drafting choice for `launched`'s requests when
+        it is what refused (adaptive speculation asked now, before the step is collected; the step keeps that answer).
+
+        Every request of `launched` continues unless that step ends it by length; one that stops otherwise (EOS, a
+        stop string, an abort) has its continued token dropped when that step is collected (the KV it wrote lies past
+        the request's tokens, in blocks freed with it, and the device runs anything later written there after it)."""
+        sched = launched.sched
+        if not self.async_scheduling or launched.tokens is None or self.scheduler.waiting or sched.preempted:
+            return None
+        active = [s.request for s in sched.scheduled if not s.request.status.finished]
+        if len(active) != len(self.scheduler.running) or not all(
+            s.samples and s.num_new_tokens == 1 and not _reads_tokens(s.request.sampling_params)
+            for s in sched.scheduled
+        ):
+            return None
+        # launched's token is not appended yet: a request continues if it may emit at least one more after it
+        going_on = [
+            r
+            for r in active
+            if r.num_tokens + 1 < self.max_model_len
+            and (r.sampling_params.max_tokens is None or r.num_output_tokens + 1 < r.sampling_params.max_tokens)
+        ]
+        if not going_on:
+            return None
+        if self.spec is not None:
+            drafting = [r.request_id for r in going_on if r.sampling_params.max_speculative_tokens != 0]
+            if drafting and (self.planner is None or self.planner.should_draft(drafting)):
+                return True
+        # the KV of launched's token and of this one's (one block more at most)
+        if not all(self.kv.allocate(r, 2) for r in going_on):
+            return False if self.spec is not None else None  # the drafting choice was asked: plain
+        return SchedulerOutput([ScheduledRequest(r, 1, continues=True) for r in going_on])
 
     def _draft(self, requests: list[Request]) -> None:
         """Propose the drafts each request verifies next step, cut to what it could still emit."""

@@ -23,12 +23,15 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens fed this step, drafts included
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step: the last tokens fed
+    # Async scheduling: the request continues from a step launched and not yet collected. It feeds the token that step
+    # samples for it (on the device, not appended yet), one position after that step's, and samples the next.
+    continues: bool = False
     samples: bool = field(init=False)  # this step brings the request level with its tokens, so it emits one
 
     def __post_init__(self) -> None:
         # NOTE: fixed now, while num_computed_tokens still counts the tokens before this step.
         num_plain = self.num_new_tokens - len(self.spec_token_ids)
-        self.samples = self.request.num_computed_tokens + num_plain == self.request.num_tokens
+        self.samples = self.continues or self.request.num_computed_tokens + num_plain == self.request.num_tokens
 
 
 @dataclass

@@ -37,6 +37,10 @@ COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served by the prefix cache."),
     "num_steps": ("engine_steps", "Engine steps run."),
+    "num_pipelined_steps": (
+        "engine_pipelined_steps",
+        "Steps launched before the previous step's tokens reached the host (async scheduling).",
+    ),
     "spec_decode_num_drafts": ("spec_decode_num_drafts", "Request-steps that verified drafts (vLLM's count)."),
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified."),
     "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),

@@ -198,6 +198,7 @@ class VerificationPlanner:
         self._since_drafts = TIMED_AFTER_DRAFTS + 1  # steps since one with drafts to verify
         self._since_timed = 0
         self._pays_cache: dict[int, tuple[bool, int]] = {}  # num requests -> (answer, steps it may still be reused)
+        self._last_continued: float | None = None  # when the last continued step was collected, in a run of them
 
     @property
     def adaptive(self) -> bool:
@@ -419,6 +420,22 @@ class VerificationPlanner:
         self.timing.pending.append(timed)
         self.timing.harvest(self.cost, self.regime)
         self._step_start = self._shape = None
+
+    def skip_timing(self) -> None:
+        """The step is not timed: the next step was launched before it was collected (async scheduling), so its
+        measured time would hold that launch."""
+        self._step_start = self._shape = None
+        self._last_continued = None
+
+    def continued_step_finished(self, num_requests: int, num_emitted: int, chain_goes_on: bool) -> None:
+        """A continued step (async scheduling: launched before its predecessor was collected) was collected. Such steps
+        are plain decode steps; their cost is the host wall time from one's collection to the next's (the device runs
+        one while the host processes the other, so no pair of events brackets a step). It feeds the plain regime's
+        rate, not the cost model (whose curves are of steps run alone)."""
+        now = time.perf_counter()
+        if self._last_continued is not None and self.adaptive:
+            self.regime.observe(num_requests, False, False, num_emitted, (now - self._last_continued) * 1e3)
+        self._last_continued = now if chain_goes_on else None
 
     # ---- 3. after verifying -------------------------------------------------------------------------------------
 

@@ -173,9 +173,11 @@ class GraphRunner:
         query_start: list[int],
         seq_lens: list[int],
         tables: list[list[int]],
+        ids_from: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the step; (logits [n, vocab] fp32, taps [n, ...] or None: none when the drafter's context was
-        written in the graph), views of static buffers valid until the next replay."""
+        written in the graph), views of static buffers valid until the next replay. ids_from ([n], on the device):
+        the input tokens, in place of input_ids (async scheduling: the previous step's samples, not on the host yet)."""
         g = self.graphs[key]
         if self._copied is not None:  # the previous replay's copies out of the staging buffers have run
             self._copied.synchronize()
@@ -198,6 +200,8 @@ class GraphRunner:
             h_tables[i, :w] = b[:w]
         width = max(widths)
         self.ids[:t].copy_(self.h_ids[:t], non_blocking=True)
+        if ids_from is not None:
+            self.ids[:n].copy_(ids_from)
         self.pos[:t].copy_(self.h_pos[:t], non_blocking=True)
         self.slots[:t].copy_(self.h_slots[:t], non_blocking=True)
         self.qsl[: rr + 1].copy_(self.h_qsl[: rr + 1], non_blocking=True)

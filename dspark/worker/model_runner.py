@@ -25,7 +25,7 @@ from dspark.worker.attention.torch_ref import TorchAttention
 from dspark.worker.cuda_graphs import GraphRunner
 from dspark.worker.numerics import padded_rows
 from dspark.worker.sampler import SampledRow, Sampler, SamplingRow
-from dspark.worker.transfer import upload, upload_tensor
+from dspark.worker.transfer import Download, upload, upload_tensor
 
 LogitsOf = Callable[[list[int]], torch.Tensor]  # the step's fp32 logits of these flattened rows (padding allowed)
 
@@ -36,6 +36,19 @@ class RunnerOutput:
     # for requests that emitted any
     sampled: dict[str, list[SampledRow]]
     num_accepted: dict[str, int] = field(default_factory=dict)  # request id -> drafts accepted, if it verified any
+
+
+@dataclass
+class Launched:
+    """A step whose device work is queued. Steps the host must see before it can go on (verification, logprobs)
+    are computed already (output); a plain sampling step's tokens are still on their way to the host (tokens, on the
+    device, feed the next step when it is launched before this one is collected: async scheduling)."""
+
+    sched: SchedulerOutput
+    output: RunnerOutput | None = None
+    tokens: torch.Tensor | None = None  # [n] int64 on the device: the sampling requests' tokens, in order
+    download: Download | None = None
+    request_ids: list[str] = field(default_factory=list)  # the sampling requests, in the order of tokens
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -108,8 +121,14 @@ class ModelRunner:
             if capture_drafter is not None and getattr(drafter, "backend", self.backend).name == "triton":
                 capture_drafter(config.max_num_seqs, max_model_len or cfg.max_position_embeddings)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, previous: Launched | None = None) -> Launched:
+        """Queue the step on the device. With `previous` (a step launched and not yet collected), every scheduled
+        request continues from it (ScheduledRequest.continues): its input is the token `previous` sampled for it,
+        taken on the device, at the position after that step's."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -120,21 +139,25 @@ class ModelRunner:
         max_query_len = 0
         for s in sched.scheduled:
             req = s.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            start = req.num_computed_tokens + s.continues  # a continued request's last token is not appended yet
+            end = start + s.num_new_tokens
             num_plain = s.num_new_tokens - len(s.spec_token_ids)
-            input_ids += req.all_token_ids[start : start + num_plain] + s.spec_token_ids
+            input_ids += [0] if s.continues else req.all_token_ids[start : start + num_plain] + s.spec_token_ids
             positions += range(start, end)
             slots += slots_for(req.block_ids, start, end, bs)
             query_start.append(query_start[-1] + s.num_new_tokens)
             seq_lens.append(end)
             tables.append(req.block_ids)
             max_query_len = max(max_query_len, s.num_new_tokens)
+        ids_from = self._continued_inputs(sched, previous)
 
         taps = self.drafter.tap_layers if self.drafter is not None else ()
         key = self.graphs.pick(len(input_ids), len(seq_lens), max_query_len) if self.graphs is not None else None
         if key is not None:
             assert self.graphs is not None
-            logits_all, tapped = self.graphs.replay(key, input_ids, positions, slots, query_start, seq_lens, tables)
+            logits_all, tapped = self.graphs.replay(
+                key, input_ids, positions, slots, query_start, seq_lens, tables, ids_from
+            )
             pos, slot_mapping = self.graphs.pos, self.graphs.slots
 
             def logits_of(rows: list[int]) -> torch.Tensor:
@@ -144,16 +167,31 @@ class ModelRunner:
 
         else:
             hidden, tapped, pos, slot_mapping = self._forward_eager(
-                input_ids, positions, slots, query_start, seq_lens, tables, max_query_len, taps
+                input_ids, positions, slots, query_start, seq_lens, tables, max_query_len, taps, ids_from
             )
 
             def logits_of(rows: list[int]) -> torch.Tensor:
                 return self._logits(hidden, rows)
 
-        if any(s.spec_token_ids for s in sched.scheduled):
-            out = self._verify(sched, logits_of, query_start)
+        launched = Launched(sched)
+        sampling = [s for s in sched.scheduled if s.samples]
+        if any(s.spec_token_ids for s in sched.scheduled) or any(
+            s.request.sampling_params.logprobs is not None for s in sampling
+        ):
+            out = launched.output = (
+                self._verify(sched, logits_of, query_start)
+                if any(s.spec_token_ids for s in sched.scheduled)
+                else self._sample(sched, logits_of, query_start)
+            )
         else:
-            out = self._sample(sched, logits_of, query_start)
+            out = RunnerOutput({})
+            if sampling:
+                rows = [query_start[r + 1] - 1 for r, s in enumerate(sched.scheduled) if s.samples]
+                launched.tokens = self.sampler.tokens(
+                    logits_of(rows), [sampling_row(s.request, [0] if s.continues else None) for s in sampling]
+                )
+                launched.download = Download(launched.tokens)
+                launched.request_ids = [s.request.request_id for s in sampling]
         in_graph = key is not None and self.graphs is not None and self.graphs.context_writer is not None
         if self.drafter is not None and self.drafter.tap_layers and not in_graph:
             # The drafter's context grows by what the target keeps: every plain token and the accepted drafts.
@@ -170,7 +208,28 @@ class ModelRunner:
             ]
             rows = upload(keep, torch.int64, self.device)
             self.drafter.extend_context(None if tapped is None else tapped[rows], pos[rows], slot_mapping[rows])
-        return out
+        return launched
+
+    def collect(self, launched: Launched) -> RunnerOutput:
+        """The step's output; for a plain sampling step, the one wait for its tokens."""
+        if launched.output is not None:
+            return launched.output
+        if launched.download is None:  # nothing sampled (prompt chunks only)
+            return RunnerOutput({})
+        tokens = launched.download.wait()[0].tolist()
+        return RunnerOutput({rid: [SampledRow(t)] for rid, t in zip(launched.request_ids, tokens, strict=True)})
+
+    def _continued_inputs(self, sched: SchedulerOutput, previous: Launched | None) -> torch.Tensor | None:
+        """The continued requests' input tokens ([n] on the device): what `previous` sampled for them."""
+        if previous is None:
+            assert not any(s.continues for s in sched.scheduled), "a continued step needs the step it continues"
+            return None
+        assert all(s.continues for s in sched.scheduled) and previous.tokens is not None
+        row = {rid: i for i, rid in enumerate(previous.request_ids)}
+        index = [row[s.request.request_id] for s in sched.scheduled]
+        if index == list(range(len(index))):
+            return previous.tokens[: len(index)]
+        return previous.tokens[upload(index, torch.int64, self.device)]
 
     def _forward_eager(
         self,
@@ -182,6 +241,7 @@ class ModelRunner:
         tables: list[list[int]],
         max_query_len: int,
         taps: tuple[int, ...],
+        ids_from: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         num_actual = len(input_ids)
         pad = padded_rows(num_actual) - num_actual  # padding rows: token 0, position 0, slot -1
@@ -204,6 +264,8 @@ class ModelRunner:
         mcfg = self.model.config
         self.backend.prepare(meta, mcfg.num_kv_heads, mcfg.num_heads, self.block_size)
         ids = upload(input_ids + [0] * pad, torch.int64, dev)
+        if ids_from is not None:
+            ids[:num_actual].copy_(ids_from)
         pos = upload(positions + [0] * pad, torch.int64, dev)
         hidden, tapped = self.model.forward_with_taps(
             ids, pos, AttentionContext(self.backend, meta, self.kv_caches), taps

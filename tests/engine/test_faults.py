@@ -3,8 +3,9 @@
 - an exception while one request's output is processed (its detokenizer raising) fails that request alone: it
   finishes with finish_reason "error" and what it had produced, its KV blocks are freed, and every other request of
   the batch ends with exactly the output it has without the fault;
-- an exception of the whole step (the model runner's forward, or drafting) propagates from step(), is not swallowed,
-  and once the requests in flight are aborted the engine serves new requests with unchanged outputs.
+- an exception of the whole step (the model runner's forward, the wait for its tokens with the next step already
+  launched (async scheduling), or drafting) propagates from step(), is not swallowed, and once the requests in flight
+  are aborted the engine serves new requests with unchanged outputs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dspark.spec.dspark.config import DSparkConfig
 
 PROMPTS = {"a": [5, 6, 7, 8, 5, 6, 7], "b": list(range(100, 130)), "c": list(range(300, 340))}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-SPECS = ["none", "dspark"]
+SPECS = ["none", "async", "dspark"]
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,8 @@ def make_engine(target: Path, drafter: Path, spec: str) -> LLMEngine:
         max_model_len=128,
         num_kv_blocks=64,
         speculative_config=speculative if spec == "dspark" else None,
+        # "async": the next decode step is launched before this one is collected; a fault then strands a step
+        async_scheduling=spec == "async",
     )
     return LLMEngine(config)
 
@@ -158,7 +161,9 @@ def test_a_fault_while_finishing_a_final_only_request(
 
 
 @pytest.mark.parametrize(
-    ("spec", "where"), [("none", "execute"), ("dspark", "execute"), ("dspark", "propose")], ids=lambda v: v
+    ("spec", "where"),
+    [("none", "launch"), ("async", "launch"), ("async", "collect"), ("dspark", "launch"), ("dspark", "propose")],
+    ids=lambda v: v,
 )
 def test_a_failed_step_propagates_and_the_engine_goes_on(
     engines: Callable[[str], LLMEngine],

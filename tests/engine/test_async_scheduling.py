@@ -1,0 +1,342 @@
+"""Async scheduling (vLLM's --async-scheduling) changes when the host schedules, never what is generated (CPU fp32):
+
+with async_scheduling=True the engine launches decode step t+1 before it has processed step t's outputs, and every
+request's tokens, text and finish reason are those of the synchronous engine: greedy and seeded sampling, stops by
+length, stop token, stop string and min_tokens, aborts, requests arriving mid-run, preemption, and adaptive n-gram
+speculation. A request that finishes at step t has its step t+1 token dropped: it is neither output nor counted, and its
+blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dspark import LLM, ConfigError, SamplingParams
+from dspark.config import EngineConfig
+from dspark.engine.engine import LLMEngine
+from dspark.outputs import RequestOutput
+from dspark.spec.cost_model import CostModel
+from helpers import make_hf_model
+
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def untied_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> str:
+    """A tiny llama with untied embeddings. NOTE: the tied tiny models' greedy output repeats one token for tens of
+    steps, so a step fed the previous step's input token instead of its sample would go unseen; this one's does not."""
+    out = tmp_path_factory.mktemp("tiny-untied")
+    make_hf_model("llama", tie_word_embeddings=False).save_pretrained(out, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def _engines(untied_model: str) -> dict[bool, LLM]:
+    return {
+        mode: LLM(
+            model=untied_model, dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, async_scheduling=mode
+        )
+        for mode in (False, True)
+    }
+
+
+@pytest.fixture
+def engines(_engines: dict[bool, LLM]) -> Iterator[dict[bool, LLM]]:
+    """async_scheduling -> an engine. Every test drives both through the same requests (in the same order), so that
+    seeds drawn for requests without one stay the same in the two. A test that fails midway leaves its requests to be
+    aborted here, so that the next test starts from idle engines."""
+    yield _engines
+    for llm in _engines.values():
+        sched = llm.engine.scheduler
+        llm.engine.abort_request([r.request_id for r in (*sched.running, *sched.waiting)])
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
+
+
+def _summary(out: RequestOutput) -> tuple[Any, ...]:
+    c = out.outputs[0]
+    return c.token_ids, c.finish_reason, c.stop_reason, c.text, c.logprobs, c.cumulative_logprob
+
+
+def _check_idle(engine: LLMEngine) -> None:
+    """Nothing left in flight: no request, and every KV block back in the pool."""
+    assert not engine.has_unfinished_requests()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.kv.num_used_blocks == 0
+
+
+def _both(
+    llms: dict[bool, LLM], prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[dict[bool, list[RequestOutput]], int]:
+    """Generate with the synchronous and the async engine and check that they agree; return async_scheduling -> the
+    outputs, and how many steps the async engine pipelined."""
+    results = {}
+    for mode in (False, True):
+        engine = llms[mode].engine
+        before = dict(engine.stats)
+        outs = llms[mode].generate(prompts, params)
+        _check_idle(engine)
+        # A dropped step t+1 token is not a generated token.
+        num_generated = engine.stats["num_generation_tokens"] - before["num_generation_tokens"]
+        assert num_generated == sum(len(o.outputs[0].token_ids) for o in outs), f"async_scheduling={mode}"
+        results[mode] = outs, engine.stats["num_pipelined_steps"] - before["num_pipelined_steps"]
+    (sync, num_sync), (out, num_async) = results[False], results[True]
+    assert num_sync == 0, "the synchronous engine pipelined"
+    for i, (a, b) in enumerate(zip(sync, out, strict=True)):
+        assert _summary(b) == _summary(a), f"request {i} changed under async scheduling"
+    return {False: sync, True: out}, num_async
+
+
+def test_greedy_batch_with_mixed_lengths(engines: dict[bool, LLM]) -> None:
+    prompts = _prompts(1, [5, 9, 14, 20, 7, 30, 11])
+    max_tokens = [1, 2, 3, 8, 17, 33, None]  # None: until max_model_len
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outs, num_pipelined = _both(engines, prompts, params)
+    sync = outs[False]
+    expected = [n if n is not None else MAX_MODEL_LEN - len(p) for n, p in zip(max_tokens, prompts, strict=True)]
+    assert [len(o.outputs[0].token_ids) for o in sync] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in sync)
+    assert num_pipelined > 0, "async scheduling never pipelined a step"
+    # Follow-ups that repeat a prompt and its output: the prefix cache serves the blocks each engine wrote, every
+    # full block of the computed tokens (all but the last) at least.
+    history = [[*p, *o.outputs[0].token_ids] for p, o in zip(prompts[:6], sync[:6], strict=True)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)] * len(history)
+    follow, _ = _both(engines, [[*h, 7] for h in history], params)
+    block_size = engines[True].engine.config.block_size
+    for mode, outs in follow.items():
+        cached = [o.metrics.num_cached_tokens for o in outs]
+        assert all(c >= (len(h) - 1) // block_size * block_size for c, h in zip(cached, history, strict=True)), mode
+    assert sum(o.metrics.num_cached_tokens for o in follow[True]) > 0
+
+
+def test_seeded_sampling_and_stop_tokens(engines: dict[bool, LLM]) -> None:
+    prompts = _prompts(2, [6, 13, 25, 9, 17, 4])
+    free = SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True)
+    ref = _both(engines, [prompts[4]], [free])[0][False][0].outputs[0].token_ids
+    stop_at = ref[6]
+    first = ref.index(stop_at)
+    many_stops = list(range(1000, 5000))  # about 8% of the vocabulary: a sampled request soon draws one
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=24),
+        SamplingParams(temperature=1.0, top_k=40, seed=2, max_tokens=31),
+        SamplingParams(temperature=1.0, max_tokens=20),  # its seed is drawn from the engine's
+        SamplingParams(temperature=1.0, seed=4, max_tokens=60, min_tokens=8, stop_token_ids=many_stops),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=40, stop_token_ids=[stop_at]),
+        SamplingParams(temperature=0.7, top_p=0.8, top_k=100, seed=6, max_tokens=2),
+    ]
+    outs, num_pipelined = _both(engines, prompts, params)
+    sync = outs[False]
+    assert num_pipelined > 0, "async scheduling never pipelined a step"
+    # The stops happened where the test means them to, so that it checks what it claims.
+    min_toks = sync[3].outputs[0]
+    assert min_toks.finish_reason == "stop" and 8 <= len(min_toks.token_ids) < 60
+    assert not set(min_toks.token_ids[:7]) & set(many_stops)  # masked until min_tokens
+    stopped = sync[4].outputs[0]
+    assert stopped.token_ids == ref[: first + 1] and stopped.finish_reason == "stop"
+    assert stopped.stop_reason == stop_at
+
+
+def test_stop_string_ends_one_request_while_others_go_on(engines: dict[bool, LLM]) -> None:
+    prompts = _prompts(3, [12, 8, 21, 15])
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    ref = _both(engines, prompts[:2], [greedy] * 2)[0][False]
+    text = ref[0].outputs[0].text
+    stop = text[10:14]
+    stop_token = ref[1].outputs[0].token_ids[4]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]),
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop_token], include_stop_str_in_output=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=9, max_tokens=25, ignore_eos=True),
+    ]
+    outs, num_pipelined = _both(engines, prompts, params)
+    sync = outs[False]
+    assert num_pipelined > 0, "async scheduling never pipelined a step"
+    by_string, by_token = sync[0].outputs[0], sync[1].outputs[0]
+    assert by_string.finish_reason == "stop" and by_string.stop_reason == stop
+    assert by_string.text == text[: text.index(stop)] and len(by_string.token_ids) < 30
+    first = ref[1].outputs[0].token_ids.index(stop_token)
+    assert by_token.token_ids == ref[1].outputs[0].token_ids[: first + 1] and by_token.stop_reason == stop_token
+    assert [len(o.outputs[0].token_ids) for o in sync[2:]] == [30, 25]  # the others went on
+
+
+def _drive(
+    engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], late: list[int]
+) -> dict[str, Any]:
+    """Step the engine by hand: abort request 0 after five steps, add `late` two steps later, run to the end."""
+    before = dict(engine.stats)
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    streamed: dict[str, list[int]] = {rid: [] for rid in rids}
+    finals: dict[str, RequestOutput] = {}
+    aborted = False
+
+    def step() -> None:
+        for out in engine.step():
+            assert not (aborted and out.request_id == rids[0]), "an output for a request after its abort"
+            streamed[out.request_id] += out.new_token_ids
+            if out.finished:
+                finals[out.request_id] = out
+
+    for _ in range(5):
+        step()
+    num_pipelined_before_abort = engine.stats["num_pipelined_steps"] - before["num_pipelined_steps"]
+    engine.abort_request(rids[0])
+    aborted = True
+    step()
+    step()
+    late_rid = engine.add_request(late, SamplingParams(temperature=0.8, seed=77, max_tokens=20, ignore_eos=True))
+    streamed[late_rid] = []
+    for _ in range(3):  # a waiting request stops the pipelining: it is admitted with the next step scheduled
+        step()
+    assert streamed[late_rid], "the request added mid-run waited for more than three steps"
+    while engine.has_unfinished_requests():
+        step()
+    _check_idle(engine)
+    assert engine.stats["num_requests_aborted"] - before["num_requests_aborted"] == 1
+    assert rids[0] not in finals
+    for rid, out in finals.items():  # the stream holds each token once, in order
+        assert streamed[rid] == out.outputs[0].token_ids, rid
+    return {
+        "others": [_summary(finals[rid]) for rid in rids[1:]],
+        "late": _summary(finals[late_rid]),
+        "num_pipelined_before_abort": num_pipelined_before_abort,
+    }
+
+
+def test_abort_and_a_late_request_driving_the_engine(engines: dict[bool, LLM]) -> None:
+    prompts = _prompts(4, [10, 7, 16, 5])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=21, max_tokens=26, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=35, ignore_eos=True),
+    ]
+    late = _prompts(5, [10])[0]
+    runs = {mode: _drive(engines[mode].engine, prompts, params, late) for mode in (False, True)}
+    assert runs[False]["num_pipelined_before_abort"] == 0
+    assert runs[True]["num_pipelined_before_abort"] > 0, "the abort was meant to come while steps were pipelined"
+    assert runs[True]["others"] == runs[False]["others"]
+    # The request that arrived mid-run samples what it samples alone.
+    alone = _both(engines, [late], [SamplingParams(temperature=0.8, seed=77, max_tokens=20, ignore_eos=True)])[0]
+    assert runs[False]["late"] == runs[True]["late"] == _summary(alone[False][0])
+
+
+def test_requests_with_logprobs_or_penalties_are_not_pipelined(engines: dict[bool, LLM]) -> None:
+    """Their sampling reads the step's output on the host (penalties: the history; logprobs: the rows), so no step
+    that holds one is pipelined; once they finish, the others' steps are."""
+    prompts = _prompts(6, [8, 11, 6, 14])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    ]
+    finals = {}
+    for mode in (False, True):
+        engine = engines[mode].engine
+        before = engine.stats["num_pipelined_steps"]
+        rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        outs = {}
+        while engine.has_unfinished_requests():
+            num_pipelined = engine.stats["num_pipelined_steps"]
+            step = engine.step()
+            if engine.stats["num_pipelined_steps"] > num_pipelined:  # this call collected a pipelined step
+                assert not {o.request_id for o in step} & set(rids[:2]), "a pipelined step held logprobs or penalties"
+            outs.update((o.request_id, _summary(o)) for o in step if o.finished)
+        _check_idle(engine)
+        finals[mode] = [outs[rid] for rid in rids]
+        if mode:
+            assert engine.stats["num_pipelined_steps"] > before, "once they finished, no step was pipelined"
+    assert finals[True] == finals[False]
+
+
+def test_preemption_while_pipelining(untied_model: str) -> None:
+    # Every prompt fits at first; the requests then outgrow the cache during decoding, while steps are pipelined.
+    llms = {
+        mode: LLM(
+            model=untied_model,
+            dtype="float32",
+            max_model_len=64,
+            block_size=4,
+            num_kv_blocks=20,
+            async_scheduling=mode,
+        )
+        for mode in (False, True)
+    }
+    prompts = _prompts(7, [8, 7, 9, 8])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=31, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_k=50, seed=32, max_tokens=40, ignore_eos=True),
+    ]
+    outs, num_pipelined = _both(llms, prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outs[False]] == [10, 40, 25, 40]
+    assert llms[False].get_metrics()["num_preemptions"] > 0, "the cache was meant to force preemption"
+    assert num_pipelined > 0, "async scheduling never pipelined a step"
+    # Stepped by hand: a preemption comes in the step right after a pipelined one (the cache ran short while the
+    # engine was pipelining), and the outputs are generate()'s.
+    engine = llms[True].engine
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    finals, preempted_after_pipelined, was_pipelined = {}, 0, False
+    while engine.has_unfinished_requests():
+        stats = (engine.stats["num_pipelined_steps"], engine.scheduler.num_preemptions)
+        finals.update((o.request_id, _summary(o)) for o in engine.step() if o.finished)
+        preempted_after_pipelined += was_pipelined and engine.scheduler.num_preemptions > stats[1]
+        was_pipelined = engine.stats["num_pipelined_steps"] > stats[0]
+    _check_idle(engine)
+    assert preempted_after_pipelined > 0, "no preemption came while steps were pipelined"
+    assert [finals[rid][:4] for rid in rids] == [_summary(o)[:4] for o in outs[False]]
+
+
+# Each verified token costs a quarter of a one-token step (as in test_spec_exactness): some drafts pay, some do not.
+_STEEP = CostModel.from_points({1: 4.0, 16: 7.75, 64: 19.75}, {1: 0.0, 64: 0.0})
+
+
+def test_adaptive_ngram_speculation(tiny_model_dirs: dict[str, Path]) -> None:
+    """Adaptive speculation pipelines only its plain steps, fixed k never; greedy output stays that without
+    speculation. The tied model's repetitive output gets n-gram drafts accepted."""
+    model = str(tiny_model_dirs["llama"])
+    prompts = _prompts(8, [5, 23, 40, 9])
+    prompts.append((prompts[0][:6] * 12)[:70])  # repetitive: n-gram drafts get accepted
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
+    params[1] = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[7, 11, 13, 101])
+    kw: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128, "cost_model": _STEEP}
+    reference = LLM(model=model, async_scheduling=False, **kw).generate(prompts, params)
+    adaptive = {"method": "ngram", "num_speculative_tokens": 4}
+    fixed = {**adaptive, "enable_adaptive_verification": False}
+    for name, spec, mode in [("adaptive", adaptive, False), ("adaptive", adaptive, True), ("fixed", fixed, True)]:
+        llm = LLM(model=model, async_scheduling=mode, speculative_config=spec, **kw)
+        out = llm.generate(prompts, params)
+        for i, (a, b) in enumerate(zip(reference, out, strict=True)):
+            assert _summary(b) == _summary(a), f"{name} speculation, async_scheduling={mode}: request {i}"
+        m = llm.get_metrics()
+        _check_idle(llm.engine)
+        assert m["spec_decode_num_draft_tokens"] > 0, f"{name}, {mode=}: nothing was drafted"
+        if name == "fixed" or not mode:
+            assert m["num_pipelined_steps"] == 0, f"{name}, {mode=}: pipelined"
+        else:  # the regime explores plain steps early on, whichever it then settles on
+            assert m["num_pipelined_steps"] > 0, "adaptive speculation never pipelined a plain step"
+
+
+def test_async_scheduling_must_be_a_bool(untied_model: str) -> None:
+    for value in ("yes", 1, "true"):
+        with pytest.raises(ConfigError) as e:
+            LLM(model=untied_model, async_scheduling=value)
+        assert e.value.field == "async_scheduling" and "async_scheduling" in str(e.value)
+    assert EngineConfig(async_scheduling=None).async_scheduling is None
+    # None: off on a CPU.
+    llm = LLM(model=untied_model, dtype="float32", max_model_len=64, num_kv_blocks=8)
+    llm.generate(_prompts(9, [6, 9]), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert llm.engine.stats["num_pipelined_steps"] == 0
