@@ -515,8 +515,10 @@ class LLMEngine:
             drafting = [r.request_id for r in going_on if r.sampling_params.max_speculative_tokens != 0]
             if drafting and (self.planner is None or self.planner.should_draft(drafting)):
                 return True
-        # the KV of launched's token and of this one's (one block more at most)
-        if not all(self.kv.allocate(r, 2) for r in going_on):
+        # The KV of launched's token and of this one's, and the drafter's lookahead past them: the regime may choose
+        # to draft after this step (without the lookahead that drafting ran past the block table, on the H200).
+        lookahead = self.scheduler.num_lookahead_tokens
+        if not all(self.kv.allocate(r, 2, lookahead=lookahead) for r in going_on):
             return False if self.spec is not None else None  # the drafting choice was asked: plain
         return SchedulerOutput([ScheduledRequest(r, 1, continues=True) for r in going_on])
 

@@ -340,3 +340,44 @@ def test_async_scheduling_must_be_a_bool(untied_model: str) -> None:
     llm = LLM(model=untied_model, dtype="float32", max_model_len=64, num_kv_blocks=8)
     llm.generate(_prompts(9, [6, 9]), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert llm.engine.stats["num_pipelined_steps"] == 0
+
+
+def test_dspark_drafting_after_a_pipelined_run(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A run of pipelined plain steps, then the regime chooses to draft: the DSpark drafter writes K lookahead slots
+    past the last token, which the pipelined steps must have reserved. (On the H200 they did not, and drafting ran past
+    a request's block table.) The choice alternates here, four plain steps then two drafting ones; greedy output is
+    that without speculation."""
+    from dspark.models.loader import load_config
+    from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
+    from dspark.spec.dspark.config import DSparkConfig
+
+    model = str(tiny_model_dirs["llama"])
+    cfg = DSparkConfig.for_target(load_config(Path(model)), num_layers=1, block_size=4, num_taps=2, markov_rank=8)
+    drafter = str(save_drafter(random_drafter(cfg, seed=1), tmp_path / "drafter"))
+    # block_size 4: the lookahead (4 slots) crosses block boundaries often
+    kw: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 256, "block_size": 4}
+    prompts = _prompts(10, [5, 13, 30, 7])
+    params = [SamplingParams(temperature=0.0, max_tokens=30 + 7 * i, ignore_eos=True) for i in range(len(prompts))]
+    reference = LLM(model=model, async_scheduling=False, **kw).generate(prompts, params)
+    llm = LLM(
+        model=model,
+        async_scheduling=True,
+        speculative_config={"method": "dspark", "model": drafter},
+        cost_model=_STEEP,
+        **kw,
+    )
+    planner = llm.engine.planner
+    assert planner is not None
+    calls = {"n": 0}
+
+    def alternating(request_ids: list[str]) -> bool:
+        calls["n"] += 1
+        return calls["n"] % 6 >= 4
+
+    planner.should_draft = alternating  # type: ignore[method-assign]
+    out = llm.generate(prompts, params)
+    for i, (a, b) in enumerate(zip(reference, out, strict=True)):
+        assert _summary(b) == _summary(a), f"request {i}"
+    m = llm.get_metrics()
+    _check_idle(llm.engine)
+    assert m["num_pipelined_steps"] > 0 and m["spec_decode_num_draft_tokens"] > 0
