@@ -12,7 +12,8 @@ levels a sweep row's ramp and tail pass through measured near ties on a few step
 against 21.5 tokens/ms), where the old rule left the choice to the model (that it then drafted there is inferred from
 the rows' rates and drafting counts; per-step choices were not recorded). Until both are known, and between
 measurements, the model decides, except that a level not measured yet starts from its nearest measured neighbour's
-verdict where that transfers (plain measured faster at a lower load, or drafting at a higher one). Every so often the
+verdict where that transfers (plain measured faster at a lower load, or drafting at a higher one), and explores the
+other regime no sooner than that neighbour's spacing (below). Every so often the
 other regime runs for a short burst to keep its figure fresh. The first burst comes after FIRST_PERIOD steps, so that a
 new level learns both rates in a handful of steps: on the H200 the model's first choice at a new load level was to draft
 (it cannot see a drafting step's host work) and, with a first period of 8, a 256-step sweep row spent 7-10 steps
@@ -79,7 +80,7 @@ class RegimeChooser:
                 choice = ask() if inherited is None else inherited
             self._current = choice
             other = not choice
-            if lv.since[other] >= max(lv.period, self._spacing(lv)):
+            if lv.since[other] >= max(lv.period, self._spacing(lv), self._inherited_spacing(lv, num_requests)):
                 lv.burst, lv.burst_regime = BURST - 1, other
                 lv.period = min(2 * lv.period, MAX_PERIOD)
                 self.num_explorations += 1
@@ -90,20 +91,34 @@ class RegimeChooser:
         counts["spec" if choice else "plain"] += 1
         return choice
 
-    def _neighbour_verdict(self, level: int) -> bool | None:
+    def _neighbour(self, level: int) -> tuple[bool, _Level] | None:
         """For a level not measured yet: plain if a lower load measured plain clearly faster, drafting if a higher load
-        measured drafting clearly faster (verification only gets dearer with load), else None (ask the model). A level
-        then starts with the regime its neighbour measured instead of the model's first steps; on the H200 those cost
-        ~8 drafting steps per load level that the model wrongly favoured."""
+        measured drafting clearly faster (verification only gets dearer with load), with that neighbour; else None
+        (ask the model). A level then starts with the regime its neighbour measured instead of the model's first
+        steps; on the H200 those cost ~8 drafting steps per load level that the model wrongly favoured."""
         for other in sorted(self.levels, key=lambda lvl: abs(lvl - level)):
             rate = self.levels[other].rate
             if other == level or len(rate) < 2:
                 continue
             if other < level and rate[False] > rate[True] * (1 + MARGIN):
-                return False
+                return False, self.levels[other]
             if other > level and rate[True] > rate[False] * (1 + MARGIN):
-                return True
+                return True, self.levels[other]
         return None
+
+    def _neighbour_verdict(self, level: int) -> bool | None:
+        found = self._neighbour(level)
+        return None if found is None else found[0]
+
+    def _inherited_spacing(self, lv: _Level, num_requests: int) -> int:
+        """A level that follows its neighbour's verdict (not measured itself yet) explores no sooner than that
+        neighbour's spacing: the verdict transfers, and so does what a burst of the slower regime costs. NOTE: on the
+        H200 with async scheduling, a pipelined plain step at C = 16 took ~1.1 ms and a drafting one 3-5 ms; a new
+        level's first bursts (after 2, then 4 steps) spent 12 of a 256-step row's steps drafting, ~10% of its time."""
+        if len(lv.rate) == 2:
+            return 0
+        found = self._neighbour(self.level(num_requests))
+        return 0 if found is None else self._spacing(found[1])
 
     @staticmethod
     def _spacing(lv: _Level) -> int:
