@@ -9,6 +9,8 @@ import torch
 
 from dspark import LLM, SamplingParams
 from dspark.bench.throughput import build_hf_model
+from dspark.models.loader import load_config
+from dspark.models.registry import resolve_model
 from dspark.spec.cost_model import CostModel
 from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
 from dspark.spec.dspark.config import DSparkConfig
@@ -188,7 +190,8 @@ def test_cuda_async_scheduling_gives_the_synchronous_tokens(spec: str, tmp_path:
     kw = {"device": "cuda", "dtype": "float32", "max_model_len": 1024, "num_kv_blocks": 4096, "max_num_seqs": 16}
     speculative = None
     if spec == "adaptive-dspark":
-        cfg = DSparkConfig.for_target(LLM(**kw).engine.model_config, num_layers=1, block_size=7, markov_rank=16)
+        target = load_config(resolve_model("smollm2-135m-instruct"))
+        cfg = DSparkConfig.for_target(target, num_layers=1, block_size=7, markov_rank=16)
         speculative = {"method": "dspark", "model": str(save_drafter(random_drafter(cfg, seed=0), tmp_path / "d"))}
     prompts = [f"Write a short story about the number {i}." for i in range(10)]
     params = [
