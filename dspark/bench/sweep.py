@@ -495,9 +495,9 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
             "step_ms_by_kind": {
                 kind: {
                     "steps": len(ms),
-                    "total_ms": round(sum(ms), 2),
+                    "total_ms": round(sum(ms), 3),
                     "median_ms": round(statistics.median(ms), 3),
-                    "max_ms": round(max(ms), 2),
+                    "max_ms": round(max(ms), 3),
                 }
                 for kind, ms in r.step_ms.items()
             },

@@ -34,6 +34,7 @@ TEMPERATURES = [0.0, 1.0]
 NUM_PROMPTS, OUTPUT_LEN = 8, 8
 ROW_KEYS = {
     "arm",
+    "step_ms_by_kind",
     "concurrency",
     "temperature",
     "output_throughput",
@@ -113,6 +114,9 @@ def test_rows(sweep: Sweep) -> None:
     for row in rows:
         assert row.keys() == ROW_KEYS
         assert row["completed"] == NUM_PROMPTS
+        kinds = row["step_ms_by_kind"]  # the engine's steps, each timed once under what it ran; hf has none
+        assert sum(k["steps"] for k in kinds.values()) == (row["num_steps"] if row["arm"] != "hf" else 0)
+        assert all(0 < k["median_ms"] <= k["max_ms"] <= k["total_ms"] for k in kinds.values())
         assert row["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN  # ignore_eos: every request runs to the end
         assert row["max_in_flight"] == row["concurrency"]  # the limit holds and is reached
         assert row["output_throughput"] > 0 and row["rounds_output_throughput"] == [row["output_throughput"]]
