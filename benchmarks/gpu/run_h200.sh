@@ -5,6 +5,7 @@
 #   PHASE=diag  : GPU 0 runs the GPU tests, then traces plain and drafting steps (no-spec, adaptive held plain,
 #                 fixed-7) at C = 1 and 256 under torch.profiler; the last GPU times the step's phases at C = 1, 16, 256,
 #                 then sweeps no-spec and adaptive at C = 1, 16, 256, 1024 (T = 0, one wave).
+#   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1, 16, 256 (prefill_profile.py).
 #   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
 #   PHASE=sweep : the full sweep, one temperature per GPU (T = 0 on GPU 0, T = 1 on the last), with the hf arm.
 #   PHASE=serve : issue 7 on the GPU: `dspark serve` per arm (no-spec, fixed-7, adaptive) on GPU 0, loaded by
@@ -63,6 +64,11 @@ elif [ "$PHASE" = diag ]; then
   grep "^==" "$OUT/step-trace.log"
   grep "ROW" "$OUT/diag-sweep.log" | sed 's/ ROW.*//'
   tail -12 "$OUT/diag-sweep.log"
+elif [ "$PHASE" = prefill ]; then
+  # Session 3's open lead: adaptive's prefill steps cost 11-16 ms more than no-spec's. Phases of a prefill step.
+  on 0 240 python benchmarks/gpu/prefill_profile.py --device cuda --concurrency 1 16 256 --data-dir "$DATA" \
+    > "$OUT/prefill-profile.log" 2>&1
+  grep "prefill step" "$OUT/prefill-profile.log"
 elif [ "$PHASE" = attention ]; then
   on 0 120 python benchmarks/gpu/bench_attention.py --output "$OUT/attention.json" 2>&1 | quiet
   on 0 150 python -m dspark profile --device cuda --speculative-config "$SPEC" \
