@@ -475,7 +475,7 @@ class LLMEngine:
         if self.planner is not None:
             num_emitted = sum(len(rows) for rows in result.sampled.values())
             if continued:
-                self.planner.continued_step_finished(len(sched.scheduled), num_emitted, bool(self._inflight))
+                self.planner.continued_step_finished(len(sched.scheduled), num_emitted, bool(self._inflight), drafted)
             else:
                 self.planner.step_finished(drafted, num_emitted)
         if self.trace is not None and records:

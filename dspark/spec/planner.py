@@ -427,14 +427,16 @@ class VerificationPlanner:
         self._step_start = self._shape = None
         self._last_continued = None
 
-    def continued_step_finished(self, num_requests: int, num_emitted: int, chain_goes_on: bool) -> None:
+    def continued_step_finished(self, num_requests: int, num_emitted: int, chain_goes_on: bool, drafted: bool) -> None:
         """A continued step (async scheduling: launched before its predecessor was collected) was collected. Such steps
-        are plain decode steps; their cost is the host wall time from one's collection to the next's (the device runs
-        one while the host processes the other, so no pair of events brackets a step). It feeds the plain regime's
-        rate, not the cost model (whose curves are of steps run alone)."""
+        verify no drafts; their cost is the host wall time from one's collection to the next's (the device runs one
+        while the host processes the other, so no pair of events brackets a step). A plain one feeds the plain
+        regime's rate, not the cost model (whose curves are of steps run alone); one that drafted (the regime chose to
+        draft after it, ending the run) switches regime and is not a measurement of either."""
         now = time.perf_counter()
-        if self._last_continued is not None and self.adaptive:
-            self.regime.observe(num_requests, False, False, num_emitted, (now - self._last_continued) * 1e3)
+        if self._last_continued is not None and self.adaptive and self.cost is not None:
+            self.timing.harvest(self.cost, self.regime)  # older event-timed steps first: the regime sees steps in order
+            self.regime.observe(num_requests, False, drafted, num_emitted, (now - self._last_continued) * 1e3)
         self._last_continued = now if chain_goes_on else None
 
     # ---- 3. after verifying -------------------------------------------------------------------------------------

@@ -381,3 +381,59 @@ def test_dspark_drafting_after_a_pipelined_run(tiny_model_dirs: dict[str, Path],
     m = llm.get_metrics()
     _check_idle(llm.engine)
     assert m["num_pipelined_steps"] > 0 and m["spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_continued_step_that_drafts_is_not_measured_as_plain(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The regime ends a pipelined run by choosing to draft: that last continued step also runs the drafter, so its
+    time is not a plain step's. It reaches the regime as a switching step (drafted, verified nothing), which the regime
+    does not count; plain continued steps do count."""
+    from dspark.models.loader import load_config
+    from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
+    from dspark.spec.dspark.config import DSparkConfig
+
+    model = str(tiny_model_dirs["llama"])
+    cfg = DSparkConfig.for_target(load_config(Path(model)), num_layers=1, block_size=4, num_taps=2, markov_rank=8)
+    drafter = str(save_drafter(random_drafter(cfg, seed=1), tmp_path / "drafter"))
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=256,
+        async_scheduling=True,
+        speculative_config={"method": "dspark", "model": drafter},
+        cost_model=_STEEP,
+    )
+    engine, planner = llm.engine, llm.engine.planner
+    assert planner is not None
+    calls = {"n": 0}
+
+    def alternating(request_ids: list[str]) -> bool:
+        calls["n"] += 1
+        return calls["n"] % 6 >= 4
+
+    planner.should_draft = alternating  # type: ignore[method-assign]
+    seen: list[tuple[str, bool, bool]] = []  # (what the step ran, verified, drafted) of what continued steps reported
+    observe, finished = planner.regime.observe, planner.continued_step_finished
+    inside = {"on": False}
+
+    def spy_observe(n: int, verified: bool, drafted: bool, tokens: int, ms: float) -> None:
+        if inside["on"]:
+            seen.append((engine.last_step_kind, verified, drafted))
+        observe(n, verified, drafted, tokens, ms)
+
+    def spy_finished(*args: Any) -> None:
+        inside["on"] = True
+        try:
+            finished(*args)
+        finally:
+            inside["on"] = False
+
+    planner.regime.observe = spy_observe  # type: ignore[method-assign]
+    planner.continued_step_finished = spy_finished  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    llm.generate(_prompts(11, [5, 9, 14]), params)
+    kinds = {kind for kind, _, _ in seen}
+    assert "draft" in kinds and "plain" in kinds, seen  # both happened and were reported
+    assert all(drafted == (kind == "draft") and not verified for kind, verified, drafted in seen)
