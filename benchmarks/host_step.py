@@ -13,16 +13,25 @@ import argparse
 import gc
 import time
 
+import torch
+
 from dspark import LLM, SamplingParams
 from dspark.worker import model_runner as mr
-from dspark.worker.sampler import SampledRow
 
 
-def host_ms(concurrency: int, output_kind: str, thaw: bool, steps: int, spec: bool = False) -> float:
+def host_ms(
+    concurrency: int, output_kind: str, thaw: bool, steps: int, spec: bool = False, async_scheduling: bool = False
+) -> float:
     # spec: an adaptive DSpark engine whose planner always answers "drafting does not pay", i.e. the plain steps of
     # adaptive verification at high load, which should cost what a no-spec step costs.
     config = {"method": "dspark", "num_speculative_tokens": 7} if spec else None
-    llm = LLM(max_num_seqs=concurrency, max_model_len=1024, device="cpu", speculative_config=config)
+    llm = LLM(
+        max_num_seqs=concurrency,
+        max_model_len=1024,
+        device="cpu",
+        speculative_config=config,
+        async_scheduling=async_scheduling,
+    )
     engine = llm.engine
     if engine.planner is not None:
         planner, regime_choose = engine.planner, engine.planner.regime.choose
@@ -35,9 +44,11 @@ def host_ms(concurrency: int, output_kind: str, thaw: bool, steps: int, spec: bo
             req = s.request
             ids += req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + s.num_new_tokens]
             mr.slots_for(req.block_ids, req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens, 16)
-        [mr.sampling_row(s.request) for s in sched.scheduled]
-        sampled = {s.request.request_id: [SampledRow(100)] for s in sched.scheduled if s.samples}
-        return mr.Launched(sched, output=mr.RunnerOutput(sampled))
+        [mr.sampling_row(s.request, [0] if s.continues else None) for s in sched.scheduled]
+        # tokens left "on the device" as the real runner leaves them, so that async scheduling can continue the step
+        sampling = [s.request.request_id for s in sched.scheduled if s.samples]
+        tokens = torch.full((len(sampling),), 100, dtype=torch.int64)
+        return mr.Launched(sched, tokens=tokens, download=mr.Download(tokens), request_ids=sampling)
 
     engine.runner.launch = stub  # type: ignore[method-assign]
     params = SamplingParams(temperature=1.0, max_tokens=steps + 200, ignore_eos=True, output_kind=output_kind)
@@ -60,11 +71,14 @@ def main() -> None:
     parser.add_argument("--thaw", action="store_true")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--spec", action="store_true", help="also time an adaptive DSpark engine's plain steps")
+    parser.add_argument(
+        "--async-scheduling", action="store_true", help="with async scheduling (each step continued from the last)"
+    )
     args = parser.parse_args()
     for kind in args.output_kind:
         for thaw in (True, False) if args.thaw else (False,):
             for spec in (False, True) if args.spec else (False,):
-                ms = host_ms(args.concurrency, kind, thaw, args.steps, spec)
+                ms = host_ms(args.concurrency, kind, thaw, args.steps, spec, args.async_scheduling)
                 heap = "unfrozen" if thaw else "frozen"
                 arm = "adaptive (plain steps)" if spec else "no-spec"
                 print(f"{arm} C={args.concurrency} output_kind={kind} GC heap {heap}: {ms:.2f} ms/step", flush=True)
