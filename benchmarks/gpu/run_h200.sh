@@ -5,6 +5,8 @@
 #   PHASE=diag  : GPU 0 runs the GPU tests, then traces plain and drafting steps (no-spec, adaptive held plain,
 #                 fixed-7) at C = 1 and 256 under torch.profiler; the last GPU times the step's phases at C = 1, 16, 256,
 #                 then sweeps no-spec and adaptive at C = 1, 16, 256, 1024 (T = 0, one wave).
+#   PHASE=quiet  : no-spec, no-spec:sync, adaptive, fixed-1 at C = 1..1024, 3 rounds, T = 0 (with hf at C = 256) on
+#                 GPU 0 and T = 1 on the last, nothing else running (the goal's comparison; async scheduling's gain).
 #   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1, 16, 256 (prefill_profile.py).
 #   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
 #   PHASE=sweep : the full sweep, one temperature per GPU (T = 0 on GPU 0, T = 1 on the last), with the hf arm.
@@ -64,6 +66,19 @@ elif [ "$PHASE" = diag ]; then
   grep "^==" "$OUT/step-trace.log"
   grep "ROW" "$OUT/diag-sweep.log" | sed 's/ ROW.*//'
   tail -12 "$OUT/diag-sweep.log"
+elif [ "$PHASE" = quiet ]; then
+  # The goal's comparison with nothing else on the machine: one temperature per GPU, 3 alternating rounds, async
+  # scheduling's gain in the same run (no-spec:sync), hf at C = 256 at T = 0.
+  for i in 0 "$LAST"; do
+    t=$([ "$i" = 0 ] && echo 0 || echo 1); hf=$([ "$i" = 0 ] && echo "--hf-concurrency 256")
+    (on "$i" "${QUIET_S:-540}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" --arm no-spec \
+      --arm no-spec:sync --arm adaptive --arm fixed-1 --concurrency 1 16 64 256 1024 --temperature "$t" --repeats 3 \
+      --output-len 256 --waves 1 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.6 $hf --data-dir "$DATA" \
+      --output-json "$OUT/quiet-t$t.json" --output-md "$OUT/quiet-t$t.md" --output-plot "$OUT/quiet-t$t.png" 2>&1 \
+      | quiet > "$OUT/quiet-t$t.log") &
+  done
+  wait
+  tail -n 12 "$OUT"/quiet-t*.log
 elif [ "$PHASE" = prefill ]; then
   # Session 3's open lead: adaptive's prefill steps cost 11-16 ms more than no-spec's. Phases of a prefill step.
   on 0 240 python benchmarks/gpu/prefill_profile.py --device cuda --concurrency 1 16 256 --data-dir "$DATA" \

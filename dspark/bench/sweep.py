@@ -77,14 +77,24 @@ DEFAULT_MIX = (
 RowKey = tuple[str, int, float]  # (arm, concurrency, temperature)
 
 
+SYNC = ":sync"  # an arm's suffix: the same arm with async scheduling off (its gain, measured in the same run)
+
+
 @dataclass(frozen=True)
 class Arm:
     name: str
     k: int | None  # fixed drafts per request and step; None: no-spec, or adaptive (up to the config's k, else 7)
     adaptive: bool = False
+    sync: bool = False  # async scheduling off (name ends in SYNC)
+
+    @property
+    def speculates(self) -> bool:
+        return self.k is not None or self.adaptive
 
     def config(self, base: EngineConfig, spec: SpeculativeConfig) -> EngineConfig:
-        if self.name == "no-spec":
+        if self.sync:
+            base = dataclasses.replace(base, async_scheduling=False)
+        if not self.speculates:
             return dataclasses.replace(base, speculative_config=None)
         k = self.k or spec.num_speculative_tokens or ADAPTIVE_K
         arm_spec = dataclasses.replace(spec, num_speculative_tokens=k, enable_adaptive_verification=self.adaptive)
@@ -92,13 +102,18 @@ class Arm:
 
 
 def parse_arm(name: str) -> Arm:
-    if name in ("no-spec", "adaptive"):
-        return Arm(name, None, adaptive=name == "adaptive")
-    k = name.removeprefix("fixed-")
-    if k != name and k.isdigit() and 1 <= int(k) <= MAX_SPECULATIVE_TOKENS:
-        return Arm(name, int(k))
+    base = name.removesuffix(SYNC)
+    sync = base != name
+    if base in ("no-spec", "adaptive"):
+        return Arm(name, None, adaptive=base == "adaptive", sync=sync)
+    k = base.removeprefix("fixed-")
+    if k != base and k.isdigit() and 1 <= int(k) <= MAX_SPECULATIVE_TOKENS:
+        return Arm(name, int(k), sync=sync)
     raise ConfigError(
-        "arm", name, f"one of no-spec, fixed-K (K in 1..{MAX_SPECULATIVE_TOKENS}), adaptive (transformers: --hf)"
+        "arm",
+        name,
+        f"one of no-spec, fixed-K (K in 1..{MAX_SPECULATIVE_TOKENS}), adaptive, each optionally with {SYNC} "
+        "(async scheduling off) (transformers: --hf)",
     )
 
 
@@ -451,7 +466,7 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
     d = r.counters  # empty for hf: no drafts, no preemption count
     drafts, draft_tokens = d.get("spec_decode_num_drafts", 0), d.get("spec_decode_num_draft_tokens", 0)
     accepted = d.get("spec_decode_num_accepted_tokens", 0)
-    spec = arm.name not in ("no-spec", HF)
+    spec = arm.speculates
     acceptance = 1 + accepted / drafts if spec and drafts else None
     request_steps = r.num_output_tokens - accepted
     completed = len(r.e2el_s)
@@ -597,7 +612,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
             xs = [r["concurrency"] for r in rows]
             style = "s--" if arm == HF else "o-"
             top.plot(xs, [r["output_throughput"] for r in rows], style, color=f"C{i}", label=arm)
-            if arm not in ("no-spec", HF):
+            if arm != HF and parse_arm(arm).speculates:
                 bottom.plot(xs, [r["mean_verify_len"] for r in rows], "o-", color=f"C{i}", label=arm)
         top.set_title(f"temperature {t:g}")
         top.set_ylabel("output tokens/s")
@@ -654,7 +669,8 @@ def add_parser(
         "--arm",
         action="append",
         metavar="ARM",
-        help=f"no-spec, fixed-K or adaptive (repeatable; default: {' '.join(ARMS)}); the speculative arms use "
+        help=f"no-spec, fixed-K or adaptive, each optionally with {SYNC} (async scheduling off, to measure its gain "
+        f"in the same run) (repeatable; default: {' '.join(ARMS)}); the speculative arms use "
         f"--speculative-config's method (default: ngram); adaptive verifies up to its num_speculative_tokens, "
         f"else {ADAPTIVE_K}",
     )

@@ -321,3 +321,21 @@ def test_arm_configs() -> None:
     assert default is not None and default.num_speculative_tokens == ADAPTIVE_K
     with pytest.raises(ConfigError, match="arm"):
         parse_arm("fixed-33")
+
+
+def test_sync_arms_turn_async_scheduling_off_and_keep_their_base_arm() -> None:
+    """ARM:sync is ARM with async scheduling off: the gain of async scheduling, measured in the same run."""
+    base = EngineConfig(model="m")
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4, enable_adaptive_verification=True)
+    plain = parse_arm("no-spec:sync").config(base, spec)
+    assert plain.spec is None and plain.async_scheduling is False
+    assert parse_arm("no-spec").config(base, spec).async_scheduling is None  # the engine's default (on for CUDA)
+    fixed = parse_arm("fixed-3:sync")
+    assert (fixed.name, fixed.k, fixed.sync, fixed.speculates) == ("fixed-3:sync", 3, True, True)
+    cfg = fixed.config(base, spec)
+    assert cfg.async_scheduling is False and cfg.spec is not None and cfg.spec.num_speculative_tokens == 3
+    adaptive = parse_arm("adaptive:sync").config(base, spec)
+    assert adaptive.spec is not None and adaptive.spec.enable_adaptive_verification and not adaptive.async_scheduling
+    for bad in ("no-spec:async", "sync", ":sync", "fixed-33:sync", "no-spec:sync:sync"):
+        with pytest.raises(ConfigError, match="arm"):
+            parse_arm(bad)
