@@ -379,6 +379,13 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         launched, self._inflight = self._inflight, None
+        if launched is not None and all(s.request.status.finished for s in launched.sched.scheduled):
+            # NOTE: every request of the step launched ahead ended since (EOS, a stop string, an abort): nothing to
+            # collect. Dropped uncollected (the device runs it before anything queued later), it neither delays the
+            # next request by a step nor reaches the regime as a plain step lasting the whole idle gap since.
+            launched = None
+            if self.planner is not None:
+                self.planner.skip_timing()
         continued = launched is not None  # launched by the previous call, before it collected its own step
         if launched is None:
             sched = self.scheduler.schedule()
@@ -428,10 +435,13 @@ class LLMEngine:
                 if s.request.request_id in num_held
             ]
             records = self.planner.record(outcomes, trace=self.trace is not None)
+        num_live = num_emitted = 0  # the requests this step served, and their tokens (a voided token is neither)
         for s in sched.scheduled:
             req = s.request
             if req.status.finished:  # stopped or aborted after its continued step was launched: that token is void
                 continue
+            num_live += 1
+            num_emitted += len(result.sampled.get(req.request_id, ()))
             num_rejected = 0
             if s.spec_token_ids:
                 num_rejected = len(s.spec_token_ids) - result.num_accepted[req.request_id]
@@ -473,9 +483,8 @@ class LLMEngine:
         # whether it verified drafts and whether it drafted.
         self.last_step_kind = step_kind(has_chunk, bool(num_held), drafted)
         if self.planner is not None:
-            num_emitted = sum(len(rows) for rows in result.sampled.values())
             if continued:
-                self.planner.continued_step_finished(len(sched.scheduled), num_emitted, bool(self._inflight), drafted)
+                self.planner.continued_step_finished(num_live, num_emitted, bool(self._inflight), drafted)
             else:
                 self.planner.step_finished(drafted, num_emitted)
         if self.trace is not None and records:
@@ -486,7 +495,7 @@ class LLMEngine:
 
     def _continuation(self, launched: Launched) -> SchedulerOutput | bool | None:
         """Async scheduling: the step that continues `launched` (collected next), or None where the next step needs
-        the host: a prompt chunk, drafts, preemption, waiting requests (to be admitted), penalties or logprobs (they
+        the host: a prompt chunk, drafts, preemption, a waiting request with a free seat, penalties or logprobs (they
         read the tokens), running requests left out. False or True: the drafting choice for `launched`'s requests when
         it is what refused (adaptive speculation asked now, before the step is collected; the step keeps that answer).
 
@@ -494,7 +503,10 @@ class LLMEngine:
         stop string, an abort) has its continued token dropped when that step is collected (the KV it wrote lies past
         the request's tokens, in blocks freed with it, and the device runs anything later written there after it)."""
         sched = launched.sched
-        if not self.async_scheduling or launched.tokens is None or self.scheduler.waiting or sched.preempted:
+        # A waiting request that could be admitted now goes first; one that could not (every seat taken) does not
+        # stop the overlap: a saturated server always has a queue.
+        admissible = self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.max_num_seqs
+        if not self.async_scheduling or launched.tokens is None or admissible or sched.preempted:
             return None
         active = [s.request for s in sched.scheduled if not s.request.status.finished]
         if len(active) != len(self.scheduler.running) or not all(
