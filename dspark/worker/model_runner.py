@@ -175,14 +175,10 @@ class ModelRunner:
 
         launched = Launched(sched)
         sampling = [s for s in sched.scheduled if s.samples]
-        if any(s.spec_token_ids for s in sched.scheduled) or any(
-            s.request.sampling_params.logprobs is not None for s in sampling
-        ):
-            out = launched.output = (
-                self._verify(sched, logits_of, query_start)
-                if any(s.spec_token_ids for s in sched.scheduled)
-                else self._sample(sched, logits_of, query_start)
-            )
+        if any(s.spec_token_ids for s in sched.scheduled):
+            out = launched.output = self._verify(sched, logits_of, query_start)
+        elif any(s.request.sampling_params.logprobs is not None for s in sampling):  # logprobs are read on the host
+            out = launched.output = self._sample(sched, logits_of, query_start)
         else:
             out = RunnerOutput({})
             if sampling:
