@@ -119,6 +119,11 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def has_penalties(self) -> bool:
+        """Presence, frequency or repetition penalties: sampling reads the request's tokens."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def stop_text_margin(self) -> int:
         """Characters held back from a stream so that a stop string split across tokens is never shown."""
         return max((len(s) for s in self.stop), default=1) - 1

@@ -51,7 +51,7 @@ class _Tracked:
 def _reads_tokens(p: SamplingParams) -> bool:
     """Sampling that reads the request's tokens or returns logprobs: its next step cannot be launched before its last
     token reaches the host."""
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logprobs is not None)
+    return p.has_penalties or p.logprobs is not None
 
 
 def step_kind(has_chunk: bool, verified: bool, drafted: bool) -> str:

@@ -356,8 +356,7 @@ def sampling_row(req: Request, drafts: list[int] | None = None) -> SamplingRow:
         eos = () if p.ignore_eos or req.eos_token_id is None else (req.eos_token_id,)
         banned = (*eos, *p.stop_token_ids)
     # NOTE: the token lists are read only by the penalties; without them a copy per request and step is wasted.
-    penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-    outputs = (req.output_token_ids + drafts if drafts else req.output_token_ids) if penalised else []
+    outputs = (req.output_token_ids + drafts if drafts else req.output_token_ids) if p.has_penalties else []
     return SamplingRow(
         temperature=p.temperature,
         top_k=p.top_k,
