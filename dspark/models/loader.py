@@ -1,7 +1,8 @@
 """Build a model from a Hugging Face directory (config.json + safetensors) or a GGUF file.
 
 Weight loading is data: both sources yield Hugging Face parameter names, which are the module's own names. Only
-safetensors, GGUF and JSON are ever parsed (no pickle).
+safetensors, GGUF and JSON are ever parsed (no pickle). A GGUF's config and dequantized weights are cached after the
+first load (models/weights_cache.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dspark.errors import ModelLoadError
+from dspark.models import weights_cache
 from dspark.models.config import ModelConfig
 from dspark.models.gguf_file import gguf_config, gguf_tensors, open_gguf
 from dspark.models.llama import CausalLM, Rotary
@@ -27,7 +29,8 @@ def load_config(path: Path) -> ModelConfig:
         except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
             raise ModelLoadError(f"{path / 'config.json'}: cannot be read ({e})") from None
         return ModelConfig.from_hf(raw, str(path))
-    return gguf_config(open_gguf(path), path)
+    cached = weights_cache.cached_config(path)
+    return cached if cached is not None else gguf_config(open_gguf(path), path)
 
 
 def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -50,9 +53,13 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM
         cfg = load_config(path)
         tensors = _safetensors(path)
     else:
-        reader = open_gguf(path)
-        cfg = gguf_config(reader, path)
-        tensors = gguf_tensors(reader, cfg, path)
+        cached_cfg, cached = weights_cache.cached_config(path), weights_cache.cached_tensors(path)
+        if cached_cfg is not None and cached is not None:
+            cfg, tensors = cached_cfg, cached
+        else:
+            reader = open_gguf(path)
+            cfg = gguf_config(reader, path)
+            tensors = weights_cache.store(path, cfg, gguf_tensors(reader, cfg, path))
 
     with torch.device("meta"):
         model = CausalLM(cfg)
