@@ -79,6 +79,7 @@ def store(path: Path, cfg: ModelConfig, tensors: Tensors) -> Tensors:
     if not enabled(path):
         return tensors
     items = list(tensors)
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     final = entry(path)
@@ -90,7 +91,7 @@ def store(path: Path, cfg: ModelConfig, tensors: Tensors) -> Tensors:
         if final.exists():  # another engine wrote it meanwhile (or a broken copy): replace it
             shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-    except OSError:
+    except (OSError, SafetensorError):  # a full disk, a read-only cache: the next load parses again
         pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
