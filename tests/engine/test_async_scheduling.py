@@ -342,23 +342,15 @@ def test_async_scheduling_must_be_a_bool(untied_model: str) -> None:
     assert llm.engine.stats["num_pipelined_steps"] == 0
 
 
-def test_dspark_drafting_after_a_pipelined_run(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    """A run of pipelined plain steps, then the regime chooses to draft: the DSpark drafter writes K lookahead slots
-    past the last token, which the pipelined steps must have reserved. (On the H200 they did not, and drafting ran past
-    a request's block table.) The choice alternates here, four plain steps then two drafting ones; greedy output is
-    that without speculation."""
+def _alternating_dspark(model: str, tmp_path: Path, **kw: Any) -> LLM:
+    """An async engine with a random DSpark drafter whose drafting choice alternates, four plain steps then two
+    drafting ones: pipelined runs that the regime ends by drafting."""
     from dspark.models.loader import load_config
     from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
     from dspark.spec.dspark.config import DSparkConfig
 
-    model = str(tiny_model_dirs["llama"])
     cfg = DSparkConfig.for_target(load_config(Path(model)), num_layers=1, block_size=4, num_taps=2, markov_rank=8)
     drafter = str(save_drafter(random_drafter(cfg, seed=1), tmp_path / "drafter"))
-    # block_size 4: the lookahead (4 slots) crosses block boundaries often
-    kw: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 256, "block_size": 4}
-    prompts = _prompts(10, [5, 13, 30, 7])
-    params = [SamplingParams(temperature=0.0, max_tokens=30 + 7 * i, ignore_eos=True) for i in range(len(prompts))]
-    reference = LLM(model=model, async_scheduling=False, **kw).generate(prompts, params)
     llm = LLM(
         model=model,
         async_scheduling=True,
@@ -375,6 +367,21 @@ def test_dspark_drafting_after_a_pipelined_run(tiny_model_dirs: dict[str, Path],
         return calls["n"] % 6 >= 4
 
     planner.should_draft = alternating  # type: ignore[method-assign]
+    return llm
+
+
+def test_dspark_drafting_after_a_pipelined_run(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A run of pipelined plain steps, then the regime chooses to draft: the DSpark drafter writes K lookahead slots
+    past the last token, which the pipelined steps must have reserved. (On the H200 they did not, and drafting ran past
+    a request's block table.) The choice alternates here, four plain steps then two drafting ones; greedy output is
+    that without speculation."""
+    model = str(tiny_model_dirs["llama"])
+    # block_size 4: the lookahead (4 slots) crosses block boundaries often
+    kw: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 256, "block_size": 4}
+    prompts = _prompts(10, [5, 13, 30, 7])
+    params = [SamplingParams(temperature=0.0, max_tokens=30 + 7 * i, ignore_eos=True) for i in range(len(prompts))]
+    reference = LLM(model=model, async_scheduling=False, **kw).generate(prompts, params)
+    llm = _alternating_dspark(model, tmp_path, **kw)
     out = llm.generate(prompts, params)
     for i, (a, b) in enumerate(zip(reference, out, strict=True)):
         assert _summary(b) == _summary(a), f"request {i}"
@@ -389,31 +396,10 @@ def test_a_continued_step_that_drafts_is_not_measured_as_plain(
     """The regime ends a pipelined run by choosing to draft: that last continued step also runs the drafter, so its
     time is not a plain step's. It reaches the regime as a switching step (drafted, verified nothing), which the regime
     does not count; plain continued steps do count."""
-    from dspark.models.loader import load_config
-    from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
-    from dspark.spec.dspark.config import DSparkConfig
-
     model = str(tiny_model_dirs["llama"])
-    cfg = DSparkConfig.for_target(load_config(Path(model)), num_layers=1, block_size=4, num_taps=2, markov_rank=8)
-    drafter = str(save_drafter(random_drafter(cfg, seed=1), tmp_path / "drafter"))
-    llm = LLM(
-        model=model,
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=256,
-        async_scheduling=True,
-        speculative_config={"method": "dspark", "model": drafter},
-        cost_model=_STEEP,
-    )
+    llm = _alternating_dspark(model, tmp_path, dtype="float32", max_model_len=256, num_kv_blocks=256)
     engine, planner = llm.engine, llm.engine.planner
     assert planner is not None
-    calls = {"n": 0}
-
-    def alternating(request_ids: list[str]) -> bool:
-        calls["n"] += 1
-        return calls["n"] % 6 >= 4
-
-    planner.should_draft = alternating  # type: ignore[method-assign]
     seen: list[tuple[str, bool, bool]] = []  # (what the step ran, verified, drafted) of what continued steps reported
     observe, finished = planner.regime.observe, planner.continued_step_finished
     inside = {"on": False}

@@ -68,6 +68,12 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def drained(url: str) -> bool:
+    """No request running and no KV block in use, by the server's /metrics."""
+    now = scrape(url)
+    return metric(now, "dspark:num_requests_running") == 0 and metric(now, "dspark:kv_cache_num_used_blocks") == 0
+
+
 def wait_for(predicate: Any, timeout: float = 20.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -12,7 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-from server_harness import MODEL_NAME, live_server, make_engine, metric, scrape, wait_for
+from server_harness import MODEL_NAME, drained, live_server, make_engine, metric, scrape, wait_for
 from test_metrics import LONG, _open_request
 
 from dspark.engine.engine import LLMEngine
@@ -73,11 +73,7 @@ def test_a_client_that_hangs_up_mid_stream_is_aborted(servers: dict[bool, tuple[
         received += sock.recv(4096)
     sock.close()
 
-    def drained() -> bool:
-        now = scrape(url)
-        return metric(now, "dspark:num_requests_running") == 0 and metric(now, "dspark:kv_cache_num_used_blocks") == 0
-
-    wait_for(drained, what="running requests and used blocks to return to 0")
+    wait_for(lambda: drained(url), what="running requests and used blocks to return to 0")
     after = scrape(url)
     aborted = 'finished_reason="abort"'
     success = "dspark:request_success_total"

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
-from server_harness import MODEL_NAME, live_server, make_engine, metric, scrape, wait_for
+from server_harness import MODEL_NAME, drained, live_server, make_engine, metric, scrape, wait_for
 
 from dspark.engine.engine import LLMEngine
 
@@ -114,11 +114,7 @@ def test_disconnect_aborts_and_frees_blocks(server: tuple[str, LLMEngine], strea
         wait_for(lambda: metric(scrape(url), "dspark:kv_cache_num_used_blocks") > 0, what="the request to run")
     sock.close()
 
-    def drained() -> bool:
-        now = scrape(url)
-        return metric(now, "dspark:num_requests_running") == 0 and metric(now, "dspark:kv_cache_num_used_blocks") == 0
-
-    wait_for(drained, what="running requests and used blocks to return to 0")
+    wait_for(lambda: drained(url), what="running requests and used blocks to return to 0")
     after = scrape(url)
     assert metric(after, "dspark:kv_cache_usage_perc") == 0 and metric(after, "dspark:num_requests_waiting") == 0
     aborted = 'finished_reason="abort"'
