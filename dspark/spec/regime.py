@@ -76,8 +76,8 @@ class RegimeChooser:
                 else:  # a near tie: stay (hysteresis), the model only when nothing was chosen yet
                     choice = self._current if self._current is not None else ask()
             else:
-                inherited = self._neighbour_verdict(self.level(num_requests))
-                choice = ask() if inherited is None else inherited
+                found = self._neighbour(self.level(num_requests))
+                choice = ask() if found is None else found[0]
             self._current = choice
             other = not choice
             if lv.since[other] >= max(lv.period, self._spacing(lv), self._inherited_spacing(lv, num_requests)):
@@ -106,15 +106,12 @@ class RegimeChooser:
                 return True, self.levels[other]
         return None
 
-    def _neighbour_verdict(self, level: int) -> bool | None:
-        found = self._neighbour(level)
-        return None if found is None else found[0]
-
     def _inherited_spacing(self, lv: _Level, num_requests: int) -> int:
         """A level that follows its neighbour's verdict (not measured itself yet) explores no sooner than that
         neighbour's spacing: the verdict transfers, and so does what a burst of the slower regime costs. NOTE: on the
-        H200 with async scheduling, a pipelined plain step at C = 16 took ~1.1 ms and a drafting one 3-5 ms; a new
-        level's first bursts (after 2, then 4 steps) spent 12 of a 256-step row's steps drafting, ~10% of its time."""
+        H200 (session 3, synchronous steps, results/h200/gpu-path/2026-11-30-s3/sync-after-async-commit-t0.json), a
+        new level's first bursts (after 2, then 4 steps) spent 12 of the C = 16 row's 256 steps drafting: 54 ms of
+        its 478. Pipelined plain steps (1.04-1.10 ms at C = 1-16, step_profile.py) make such bursts weigh more."""
         if len(lv.rate) == 2:
             return 0
         found = self._neighbour(self.level(num_requests))
