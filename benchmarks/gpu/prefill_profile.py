@@ -38,8 +38,32 @@ def wrap(obj: object, name: str, acc: collections.Counter[str], label: str) -> N
     setattr(obj, name, timed)
 
 
+def trace_step(engine: Any, prompts: list[str], params: SamplingParams, concurrency: int, name: str) -> None:
+    """One more prefill step under torch.profiler: the host ops and device kernels that take its time."""
+    for i in range(concurrency):
+        engine.add_request(prompts[i % len(prompts)], params)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
+    print(f"== trace {name} C={concurrency} (by host time)\n{table}", flush=True)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
+    print(f"== trace {name} C={concurrency} (by self host time)\n{table}", flush=True)
+
+
 def profile(
-    name: str, device: str, concurrency: int, repeats: int, prompts: list[str], async_scheduling: bool | None
+    name: str,
+    device: str,
+    concurrency: int,
+    repeats: int,
+    prompts: list[str],
+    async_scheduling: bool | None,
+    trace: bool = False,
 ) -> dict[str, Any]:
     llm = LLM(
         device=device,
@@ -56,6 +80,7 @@ def profile(
     wrap(engine.runner, "launch", acc, "launch")
     wrap(engine.runner, "collect", acc, "collect")
     wrap(engine, "_process", acc, "process")
+    wrap(engine, "_draft", acc, "draft")
     if engine.runner.drafter is not None:
         wrap(engine.runner.drafter, "extend_context", acc, "drafter.extend_context")
         wrap(engine.runner, "propose", acc, "propose")
@@ -63,7 +88,7 @@ def profile(
         for fn in ("plan", "should_draft", "step_started", "step_finished", "record", "observe"):
             wrap(engine.planner, fn, acc, f"planner.{fn}")
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    steps, phases = [], collections.defaultdict(list)
+    steps, phases, every = [], collections.defaultdict(list), []
     for r in range(repeats + 2):  # the first two warm up (compiles)
         ids = [engine.add_request(prompts[(r * concurrency + i) % len(prompts)], params) for i in range(concurrency)]
         if device == "cuda":
@@ -72,22 +97,27 @@ def profile(
         start = time.perf_counter()
         engine.step()
         ms = (time.perf_counter() - start) * 1e3
+        every.append(round(ms, 2))
         prefill_phases = dict(acc)
+        kind = engine.last_step_kind
         while engine.has_unfinished_requests():
             engine.step()
         assert not any(rid in engine._tracked for rid in ids)
+        if trace and r == repeats + 1:  # after the last repeat, one more under torch.profiler
+            trace_step(engine, prompts, params, concurrency, name)
         if r >= 2:
             steps.append(ms)
             for k, v in prefill_phases.items():
                 phases[k].append(v)
-    row = {"config": name, "concurrency": concurrency, "prefill_step_ms": statistics.median(steps)}
+    row = {"config": name, "concurrency": concurrency, "prefill_step_ms": statistics.median(steps), "every_ms": every}
     by_total = sorted(phases.items(), key=lambda kv: -sum(kv[1]))
     row["phases_ms"] = {k: round(statistics.median(v), 3) for k, v in by_total}
     print(
-        f"{name} C={concurrency}: prefill step {row['prefill_step_ms']:.2f} ms (median of {repeats}) | "
-        + ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items()),
+        f"{name} C={concurrency} async={async_scheduling}: prefill step {row['prefill_step_ms']:.2f} ms "
+        f"(median of {repeats}; kind {kind}) | " + ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items()),
         flush=True,
     )
+    print(f"  every repeat (2 warm-ups first): {every}", flush=True)
     del llm, engine
     return row
 
@@ -99,11 +129,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--data-dir", help="prompt sets laid out as ../shared/data (default: that, if there)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--trace", action="store_true", help="also one prefill step under torch.profiler (CUDA)")
     args = parser.parse_args()
     prompts = sweep_prompts([], args.data_dir).prompts
     for c in args.concurrency:
         for name in CONFIGS:
-            profile(name, args.device, c, args.repeats, prompts, args.async_scheduling)
+            profile(name, args.device, c, args.repeats, prompts, args.async_scheduling, args.trace)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 #                 then sweeps no-spec and adaptive at C = 1, 16, 256, 1024 (T = 0, one wave).
 #   PHASE=quiet  : no-spec, no-spec:sync, adaptive, fixed-1 at C = 1..1024, 3 rounds, T = 0 (with hf at C = 256) on
 #                 GPU 0 and T = 1 on the last, nothing else running (the goal's comparison; async scheduling's gain).
-#   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1, 16, 256 (prefill_profile.py).
+#   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1 and 16, async and sync
+#                 (prefill_profile.py) on the last GPU; the GPU tests on GPU 0.
 #   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
 #   PHASE=sweep : the full sweep, one temperature per GPU (T = 0 on GPU 0, T = 1 on the last), with the hf arm.
 #   PHASE=serve : issue 7 on the GPU: `dspark serve` per arm (no-spec, fixed-7, adaptive) on GPU 0, loaded by
@@ -80,10 +81,19 @@ elif [ "$PHASE" = quiet ]; then
   wait
   tail -n 12 "$OUT"/quiet-t*.log
 elif [ "$PHASE" = prefill ]; then
-  # Session 3's open lead: adaptive's prefill steps cost 11-16 ms more than no-spec's. Phases of a prefill step.
-  on 0 240 python benchmarks/gpu/prefill_profile.py --device cuda --concurrency 1 16 256 --data-dir "$DATA" \
-    > "$OUT/prefill-profile.log" 2>&1
-  grep "prefill step" "$OUT/prefill-profile.log"
+  # Session 3's open lead: adaptive's prefill steps cost 11-16 ms more than no-spec's. The phases of a prefill step
+  # with async scheduling (and one step under torch.profiler), then without, on the last GPU; GPU 0 runs the GPU tests.
+  (on 0 420 python -m pytest -q -m gpu tests/test_gpu.py tests/models/test_fused_ops.py 2>&1 | quiet | tail -30 \
+    > "$OUT/gpu-tests.log") &
+  (
+    on "$LAST" 240 python benchmarks/gpu/prefill_profile.py --device cuda --concurrency 1 16 --data-dir "$DATA" \
+      --trace > "$OUT/prefill-profile.log" 2>&1
+    on "$LAST" 170 python benchmarks/gpu/prefill_profile.py --device cuda --concurrency 1 16 --data-dir "$DATA" \
+      --no-async-scheduling > "$OUT/prefill-profile-sync.log" 2>&1
+  ) &
+  wait
+  grep -A1 "prefill step" "$OUT"/prefill-profile*.log
+  cat "$OUT/gpu-tests.log"
 elif [ "$PHASE" = attention ]; then
   on 0 120 python benchmarks/gpu/bench_attention.py --output "$OUT/attention.json" 2>&1 | quiet
   on 0 150 python -m dspark profile --device cuda --speculative-config "$SPEC" \
