@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import statistics
 import time
 from typing import Any
@@ -20,7 +21,8 @@ from typing import Any
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.bench.sweep import sweep_prompts
+from dspark.bench.sweep import WARMUP_TOKENS, num_prompts_for, run_row, sweep_prompts
+from dspark.bench.throughput import drain, tokenize
 
 CONFIGS: dict[str, dict[str, Any] | None] = {"no-spec": None, "adaptive": {"method": "dspark"}}
 
@@ -122,6 +124,81 @@ def profile(
     return row
 
 
+def sweep_like(name: str, device: str, concurrency: int, rounds: int, prompts: list[str], output_len: int) -> None:
+    """A sweep row's conditions exactly (bench sweep's engine settings, warm-up and run_row): every step timed with
+    its phases and the garbage collector's pauses, and the prefill steps printed one by one."""
+    llm = LLM(
+        device=device,
+        max_num_seqs=1024,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.6,
+        speculative_config=CONFIGS[name] and {**CONFIGS[name], "num_speculative_tokens": 7},
+    )
+    engine = llm.engine
+    acc: collections.Counter[str] = collections.Counter()
+    gc_start: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_start.append(time.perf_counter())
+        elif gc_start:
+            acc[f"gc{info['generation']}"] += (time.perf_counter() - gc_start.pop()) * 1e3
+
+    gc.callbacks.append(on_gc)
+    wrap(engine.scheduler, "schedule", acc, "schedule")
+    wrap(engine.runner, "launch", acc, "launch")
+    wrap(engine.runner, "_forward_eager", acc, "launch.forward_eager")
+    wrap(engine.runner, "collect", acc, "collect")
+    wrap(engine, "_process", acc, "process")
+    wrap(engine, "_draft", acc, "draft")
+    wrap(engine, "_continuation", acc, "continuation")
+    wrap(engine.kv, "cache_computed_blocks", acc, "kv.cache_computed_blocks")
+    if engine.runner.drafter is not None:
+        wrap(engine.runner.drafter, "extend_context", acc, "launch.extend_context")
+    if engine.planner is not None:
+        for fn in ("plan", "should_draft", "step_started", "step_finished", "record", "release", "skip_timing"):
+            wrap(engine.planner, fn, acc, f"planner.{fn}")
+    steps: list[tuple[str, float, dict[str, float]]] = []
+    step = engine.step
+
+    def timed_step() -> Any:
+        acc.clear()
+        start = time.perf_counter()
+        out = step()
+        steps.append((engine.last_step_kind, (time.perf_counter() - start) * 1e3, dict(acc)))
+        return out
+
+    engine.step = timed_step  # type: ignore[method-assign]
+    ids = tokenize(llm, prompts[: num_prompts_for(concurrency, None, 1)], True)
+    engine.add_request(ids[0], SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True, seed=0))
+    drain(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind="final_only")
+    for r in range(rounds):
+        steps.clear()
+        round_, _ = run_row(engine, ids, params, concurrency, f"{name} C={concurrency}")
+        by_kind: dict[str, list[float]] = collections.defaultdict(list)
+        gc_ms: collections.Counter[str] = collections.Counter()
+        for kind, ms, phases in steps:
+            by_kind[kind].append(ms)
+            gc_ms.update({k: v for k, v in phases.items() if k.startswith("gc")})
+        print(
+            f"SWEEP-LIKE {name} C={concurrency} round {r + 1}: {round_.output_throughput:.0f} tok/s | "
+            + ", ".join(f"{k} {len(v)} steps median {statistics.median(v):.2f} ms" for k, v in by_kind.items())
+            + f" | gc {dict((k, round(v, 1)) for k, v in gc_ms.items())}",
+            flush=True,
+        )
+        for i, (kind, ms, phases) in enumerate(steps):
+            if kind == "prefill" or ms > 5:
+                top = sorted(phases.items(), key=lambda kv: -kv[1])[:8]
+                prev = steps[i - 1][0] if i else "-"
+                print(f"  step {i} {kind} (after {prev}) {ms:.2f} ms | " + ", ".join(f"{k} {v:.2f}" for k, v in top))
+    gc.callbacks.remove(on_gc)
+    engine.step = step  # type: ignore[method-assign]
+    gc.unfreeze()  # the engine froze the GC heap (engine.py): frozen, the engine is never collected
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -130,8 +207,15 @@ def main() -> None:
     parser.add_argument("--data-dir", help="prompt sets laid out as ../shared/data (default: that, if there)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--trace", action="store_true", help="also one prefill step under torch.profiler (CUDA)")
+    parser.add_argument("--sweep-like", type=int, metavar="ROUNDS", help="instead: sweep rows, every step timed")
+    parser.add_argument("--output-len", type=int, default=256, help="with --sweep-like")
     args = parser.parse_args()
     prompts = sweep_prompts([], args.data_dir).prompts
+    if args.sweep_like:
+        for c in args.concurrency:
+            for name in CONFIGS:
+                sweep_like(name, args.device, c, args.sweep_like, prompts, args.output_len)
+        return
     for c in args.concurrency:
         for name in CONFIGS:
             profile(name, args.device, c, args.repeats, prompts, args.async_scheduling, args.trace)
