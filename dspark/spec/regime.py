@@ -13,14 +13,14 @@ against 21.5 tokens/ms), where the old rule left the choice to the model (that i
 the rows' rates and drafting counts; per-step choices were not recorded). Until both are known, and between
 measurements, the model decides, except that a level not measured yet starts from its nearest measured neighbour's
 verdict where that transfers (plain measured faster at a lower load, or drafting at a higher one), and explores the
-other regime no sooner than that neighbour's spacing (below). Every so often the
-other regime runs for a short burst to keep its figure fresh. The first burst comes after FIRST_PERIOD steps, so that a
-new level learns both rates in a handful of steps: on the H200 the model's first choice at a new load level was to draft
-(it cannot see a drafting step's host work) and, with a first period of 8, a 256-step sweep row spent 7-10 steps
-drafting, each 2.5-4x a plain step. Then the bursts thin out (the period doubles) and, once both rates are known, they
-are also spaced by what the slower regime costs: a burst may cost at most EXPLORE_SHARE of the time between bursts. The
-cost is counted in time, not steps: a slower regime's step can last several of the faster one's, and each of its
-milliseconds loses (1 - slow rate / fast rate) of what the faster regime would have made.
+other regime no sooner than that neighbour would (below). Every so often the other regime runs for a short burst to keep
+its figure fresh. The first burst comes after FIRST_PERIOD steps, so that a new level learns both rates in a handful of
+steps: on the H200 the model's first choice at a new load level was to draft (it cannot see a drafting step's host work)
+and, with a first period of 8, a 256-step sweep row spent 7-10 steps drafting, each 2.5-4x a plain step. Then the bursts
+thin out (each gap doubles the last) and, once both rates are known, they are also spaced by what the slower regime
+costs: a burst may cost at most EXPLORE_SHARE of the time between bursts. The cost is counted in time, not steps: a
+slower regime's step can last several of the faster one's, and each of its milliseconds loses (1 - slow rate / fast
+rate) of what the faster regime would have made.
 
 The choice reads only past measurements and the load, never a draft, so verification stays lossless.
 """
@@ -80,9 +80,13 @@ class RegimeChooser:
                 choice = ask() if found is None else found[0]
             self._current = choice
             other = not choice
-            if lv.since[other] >= max(lv.period, self._spacing(lv), self._inherited_spacing(lv, num_requests)):
+            gap = max(lv.period, self._spacing(lv), self._inherited_gap(lv, num_requests))
+            if lv.since[other] >= gap:
                 lv.burst, lv.burst_regime = BURST - 1, other
-                lv.period = min(2 * lv.period, MAX_PERIOD)
+                # NOTE: doubled from the gap just waited, not from the period alone: once the spacing exceeds the
+                # period, doubling a small period would leave the bursts at the spacing for several more rounds. On
+                # the H200 (session 4) that was ~12 bursts in a 4096-step C = 1 row, ~1% of its time.
+                lv.period = min(2 * gap, MAX_PERIOD)
                 self.num_explorations += 1
                 choice = other
         lv.since[choice] = 0
@@ -106,16 +110,18 @@ class RegimeChooser:
                 return True, self.levels[other]
         return None
 
-    def _inherited_spacing(self, lv: _Level, num_requests: int) -> int:
+    def _inherited_gap(self, lv: _Level, num_requests: int) -> int:
         """A level that follows its neighbour's verdict (not measured itself yet) explores no sooner than that
-        neighbour's spacing: the verdict transfers, and so does what a burst of the slower regime costs. NOTE: on the
-        H200 (session 3, synchronous steps, results/h200/gpu-path/2026-11-30-s3/sync-after-async-commit-t0.json), a
-        new level's first bursts (after 2, then 4 steps) spent 12 of the C = 16 row's 256 steps drafting: 54 ms of
-        its 478. Pipelined plain steps (1.04-1.10 ms at C = 1-16, step_profile.py) make such bursts weigh more."""
+        neighbour would next explore (its spacing, or its period if longer): the verdict transfers, and so does the
+        trust its bursts earned. NOTE: on the H200 (session 3, synchronous steps,
+        results/h200/gpu-path/2026-11-30-s3/sync-after-async-commit-t0.json), a new level's first bursts (after 2, then
+        4 steps) spent 12 of the C = 16 row's 256 steps drafting: 54 ms of its 478. With the neighbour's spacing alone
+        (session 4, results/h200/gpu-path/2026-11-30-s4), one burst still came in each C = 16 row: drafting there costs
+        4.6x a plain step against 2.9x at C = 1 (verification gets dearer with load), ~4% of the row."""
         if len(lv.rate) == 2:
             return 0
         found = self._neighbour(self.level(num_requests))
-        return 0 if found is None else self._spacing(found[1])
+        return 0 if found is None else max(self._spacing(found[1]), found[1].period)
 
     @staticmethod
     def _spacing(lv: _Level) -> int:

@@ -157,3 +157,41 @@ def test_a_level_with_no_verdict_to_follow_still_explores_early() -> None:
     _run(chooser, 400, model_says=True, spec_rate=0.3, plain_rate=1.0)
     choices = [chooser.choose(2, False) for _ in range(FIRST_PERIOD + 1)]
     assert choices[FIRST_PERIOD]
+
+
+def _burst_starts(choices: list[bool], regime: bool) -> list[int]:
+    return [i for i in range(1, len(choices)) if choices[i] == regime and choices[i - 1] != regime]
+
+
+def test_each_gap_between_bursts_doubles_the_last_once_the_spacing_rules() -> None:
+    """Once both rates are known the spacing (a burst's cost at most 1% of the time between bursts) sets the first gap,
+    and each later gap doubles the one before. Doubling only the small first period left the bursts at the spacing for
+    round after round: ~12 bursts in a 4096-step C = 1 row on the H200 (session 4), ~1% of its time."""
+    chooser = RegimeChooser()
+    choices = _run(chooser, 6000, model_says=False, spec_rate=0.6, plain_rate=1.0)
+    spacing = chooser._spacing(chooser.levels[chooser.level(16)])
+    assert 50 < spacing < 400
+    starts = _burst_starts(choices, True)
+    gaps = [b - a - BURST for a, b in itertools.pairwise(starts)]
+    assert len(gaps) >= 3
+    assert gaps[0] >= spacing
+    for before, after in itertools.pairwise(gaps):
+        assert after >= 2 * before - 1
+
+
+def test_a_new_level_waits_as_long_as_its_neighbour_whose_verdict_held() -> None:
+    """A neighbour whose plain verdict several bursts confirmed has a long period; a higher level that inherits the
+    verdict explores no sooner than that period, not after the neighbour's spacing alone: drafting costs more per plain
+    step at a higher load (4.6x at C = 16 against 2.9x at C = 1 on the H200), so one burst in each new level's first
+    256 steps cost ~4% of a C = 16 sweep row."""
+    chooser = RegimeChooser()
+    _run(chooser, 6000, model_says=False, spec_rate=0.6, plain_rate=1.0)
+    neighbour = chooser.levels[chooser.level(16)]
+    spacing = chooser._spacing(neighbour)
+    assert neighbour.period > 4 * spacing
+    choices = []
+    for _ in range(neighbour.period + 2 * BURST):
+        drafted = chooser.choose(200, True)
+        chooser.observe(200, False, drafted, 200, 200 / (0.6 if drafted else 1.0))
+        choices.append(drafted)
+    assert choices.index(True) >= neighbour.period
