@@ -11,6 +11,8 @@ q/k/v and gate/up are one GEMM each: about ten kernels per layer instead of ~45.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -204,15 +206,20 @@ def decoder_stack(
     rope: tuple[torch.Tensor, torch.Tensor],
     ctx: AttentionContext,
     tap_layers: tuple[int, ...] = (),
+    on_taps: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # norm(last layer's output), raw outputs of layers tap_layers
     """`layers` then `norm`, with the residual adds fused into the norms on the fused path. Any stack of DecoderLayers
-    can run through it (a drafter's backbone too)."""
+    can run through it (a drafter's backbone too). on_taps: called with the taps as soon as the last one exists,
+    before the layers after it run (a graph forks the drafter's context write off there)."""
+    last_tap = max(tap_layers, default=-1)
     if not fused_ops.enabled(x):
         taps = []
         for i, layer in enumerate(layers):
             x = layer(x, rope, ctx)
             if i in tap_layers:
                 taps.append(x)
+                if i == last_tap and on_taps is not None:
+                    on_taps(taps)
         return norm(x), taps
     # Fused: layer i's output (residual + MLP output) first exists as the sum inside the next norm's kernel, which
     # returns it: that is what a tap of layer i takes.
@@ -224,12 +231,16 @@ def decoder_stack(
             h, residual = layer.input_layernorm.forward_add(mlp_out, residual)
             if i - 1 in tap_layers:
                 taps.append(residual)
+                if i - 1 == last_tap and on_taps is not None:
+                    on_taps(taps)
         mlp_out, residual = layer.forward_fused(h, residual, rope, ctx)
     if mlp_out is None:
         return norm(residual), taps
     out, residual = norm.forward_add(mlp_out, residual)
     if len(layers) - 1 in tap_layers:
         taps.append(residual)
+        if on_taps is not None:
+            on_taps(taps)
     return out, taps
 
 
@@ -273,11 +284,14 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         ctx: AttentionContext,
         tap_layers: tuple[int, ...],
+        on_taps: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [num_tokens, hidden], [num_tokens, len(tap_layers) * hidden]
-        """Also return the raw outputs of decoder layers `tap_layers` (0-based), concatenated: a drafter's context."""
+        """Also return the raw outputs of decoder layers `tap_layers` (0-based), concatenated: a drafter's context.
+        With on_taps, they go to it instead (a list, not concatenated), as soon as the last one exists."""
         x = self.model.embed_tokens(input_ids)
-        hidden, taps = decoder_stack(self.model.layers, self.model.norm, x, self.rotary(positions), ctx, tap_layers)
-        return hidden, torch.cat(taps, dim=-1) if taps else None
+        rope = self.rotary(positions)
+        hidden, taps = decoder_stack(self.model.layers, self.model.norm, x, rope, ctx, tap_layers, on_taps)
+        return hidden, torch.cat(taps, dim=-1) if taps and on_taps is None else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         return self.lm_head(hidden).float()

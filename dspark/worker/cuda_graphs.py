@@ -95,6 +95,9 @@ class GraphRunner:
         self.taps = torch.zeros(max_t, n_taps * cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=device)
         self.backend_factory = backend_factory
         self.context_writer = context_writer
+        # The context write runs on its own stream, forked as soon as the last tapped layer is done and joined at the
+        # end of the step, so that it overlaps the layers after it and the logits instead of following them.
+        self._side = torch.cuda.Stream(device) if context_writer is not None else None
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.num_replays = 0
         self._copied: torch.cuda.Event | None = None
@@ -146,13 +149,29 @@ class GraphRunner:
         )
         backend.prepare(meta, cfg.num_kv_heads, cfg.num_heads, self.block_size)
         ctx = AttentionContext(backend, meta, self.caches)
-        hidden, taps = self.model.forward_with_taps(self.ids[:t], self.pos[:t], ctx, self.tap_layers)
-        self.logits[:t].copy_(self.model.compute_logits(hidden))
-        if taps is not None:
-            if self.context_writer is not None:  # the taps are consumed here; nothing reads them after the replay
-                self.context_writer(taps, self.pos[:t], self.slots[:t])
-            else:
+        writer, side = self.context_writer, self._side
+        if writer is None or side is None or not self.tap_layers:
+            hidden, taps = self.model.forward_with_taps(self.ids[:t], self.pos[:t], ctx, self.tap_layers)
+            self.logits[:t].copy_(self.model.compute_logits(hidden))
+            if taps is not None:
                 self.taps[:t].copy_(taps)
+            return
+        main = torch.cuda.current_stream(self.device)
+        held: list[list[torch.Tensor]] = []
+
+        def write(taps: list[torch.Tensor]) -> None:
+            # The taps are consumed here (nothing reads them after the replay). They stay referenced (held) until
+            # after the join: freed earlier, the allocator could hand their memory to the main stream's later layers
+            # while the side stream still reads it.
+            held.append(taps)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                writer(torch.cat(taps, dim=-1), self.pos[:t], self.slots[:t])
+
+        hidden, _ = self.model.forward_with_taps(self.ids[:t], self.pos[:t], ctx, self.tap_layers, on_taps=write)
+        self.logits[:t].copy_(self.model.compute_logits(hidden))
+        main.wait_stream(side)  # joined inside the step (and the graph): the next step starts after the write
+        held.clear()
 
     # ---- replay ---------------------------------------------------------------------------------------------------
 

@@ -131,6 +131,52 @@ def _target_taps(target: CausalLM, tokens: list[int], layers: tuple[int, ...]) -
     return taps.clone()
 
 
+def test_on_taps_gets_the_taps_as_soon_as_the_last_tapped_layer_ran(targets: dict[str, CausalLM]) -> None:
+    """A CUDA graph forks the drafter's context write off where the last tapped layer is done, so that it overlaps
+    the layers after it (worker/cuda_graphs.py). The hook gets the taps there, once, before any later layer runs."""
+    target = next(iter(targets.values()))
+    tokens = list(range(5, 16))
+    want = _target_taps(target, tokens, (1, 3))
+    layers_run: list[int] = []
+    handles = [layer.register_forward_hook(lambda *_: layers_run.append(1)) for layer in target.model.layers]
+    got: list[tuple[int, torch.Tensor]] = []
+
+    def on_taps(taps: list[torch.Tensor]) -> None:
+        got.append((len(layers_run), torch.cat(taps, dim=-1).clone()))
+
+    n = len(tokens)
+    meta = AttentionMetadata(
+        num_actual_tokens=n,
+        slot_mapping=torch.arange(n),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        query_start_loc_cpu=[0, n],
+        seq_lens_cpu=[n],
+        max_query_len=n,
+        max_seq_len=n,
+    )
+    cfg = target.config
+    caches = [
+        KVCache(torch.zeros(1, 16, cfg.num_kv_heads, cfg.head_dim), torch.zeros(1, 16, cfg.num_kv_heads, cfg.head_dim))
+        for _ in range(cfg.num_layers)
+    ]
+    backend = TorchAttention()
+    backend.prepare(meta, cfg.num_kv_heads, cfg.num_heads, 16)
+    try:
+        with torch.inference_mode():
+            _, returned = target.forward_with_taps(
+                torch.tensor(tokens), torch.arange(n), AttentionContext(backend, meta, caches), (1, 3), on_taps
+            )
+    finally:
+        for h in handles:
+            h.remove()
+    assert returned is None  # they went to the hook instead
+    assert len(layers_run) == TARGET_LAYERS
+    assert len(got) == 1 and got[0][0] == 4  # layers 0..3 had run, 4 and 5 had not
+    torch.testing.assert_close(got[0][1], want, rtol=0, atol=0)
+
+
 def _drafter_config(target: CausalLM, variant: str = "learned_mask", block_size: int = K) -> DSparkConfig:
     cfg = DSparkConfig.for_target(
         target.config,
