@@ -29,6 +29,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "no-spec": None,
     "fixed-7": {"method": "dspark", "num_speculative_tokens": 7, "enable_adaptive_verification": False},
     "adaptive": {"method": "dspark", "num_speculative_tokens": 7},
+    # adaptive verification on every step: the regime held to drafting, so that each step plans (budget choice and
+    # allocation, phase planner.plan) where the measured regime would run plain steps
+    "adaptive-drafting": {"method": "dspark", "num_speculative_tokens": 7},
 }
 
 
@@ -54,6 +57,9 @@ def profile(name: str, device: str, concurrency: int, steps: int, cprofile: int 
         speculative_config=CONFIGS[name],
     )
     engine = llm.engine
+    if name == "adaptive-drafting":
+        assert engine.planner is not None
+        engine.planner.regime.choose = lambda num_requests, model_says_draft: True  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=steps * 8 + 64, ignore_eos=True)
     for i in range(concurrency):
         engine.add_request(f"Question {i}: explain how a bicycle stays upright.", params)
