@@ -24,6 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dspark.engine.scheduler import SchedulerOutput
@@ -50,6 +51,7 @@ class _Copy:
     slots: list[int]  # their rows in the planner's tables when the copy was made
     host: torch.Tensor  # [R, K]
     event: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
+    releases: int = 0  # the planner's release count when the copy was made: unchanged since, every row is current
 
 
 @dataclass
@@ -178,6 +180,7 @@ class VerificationPlanner:
         self._pending: set[str] = set()  # requests with live drafts not yet verified or dropped
         self._stratum: dict[str, int] = {}
         self._copies: deque[_Copy] = deque()
+        self._releases = 0  # rows released so far (a copy's rows are all current while this has not moved)
         self._prior = 0.5 ** torch.arange(1, num_spec_tokens + 1, dtype=torch.float64)  # before any survival is seen
         # Conditional acceptance per stratum and position: reached (every earlier draft accepted) and accepted counts.
         self.reached = torch.zeros(num_strata, num_spec_tokens, dtype=torch.float64)
@@ -208,15 +211,16 @@ class VerificationPlanner:
 
     def _rows(self, request_ids: list[str]) -> list[int]:
         """The requests' table rows; a request seen for the first time gets a free one (the tables grow by doubling)."""
-        slots = []
-        for rid in request_ids:
-            slot = self._slot.get(rid)
-            if slot is None:
+        get = self._slot.get
+        slots = [get(rid) for rid in request_ids]  # NOTE: the usual case, every request known: one cheap pass
+        if None not in slots:
+            return slots  # type: ignore[return-value]
+        for i, rid in enumerate(request_ids):
+            if slots[i] is None:
                 if not self._free:
                     self._grow()
-                slot = self._slot[rid] = self._free.pop()
-            slots.append(slot)
-        return slots
+                slots[i] = self._slot[rid] = self._free.pop()
+        return slots  # type: ignore[return-value]
 
     def _grow(self) -> None:
         n = self._live.shape[0]
@@ -284,31 +288,35 @@ class VerificationPlanner:
             host.copy_(live, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._copies.append(_Copy(request_ids, slots, host, event))
+            self._copies.append(_Copy(request_ids, slots, host, event, self._releases))
         else:
-            self._copies.append(_Copy(request_ids, slots, live.clone(), None))
+            self._copies.append(_Copy(request_ids, slots, live.clone(), None, self._releases))
 
     def _harvest(self) -> None:
         """Take in the copies older than the newest one whose transfer has finished (never waits)."""
+        # NOTE: host arrays in numpy (views of the tables' memory): torch's per-op overhead made this 0.43 ms of a
+        # 2.9 ms plan() at R = 1024 on the 2-vCPU machine (benchmarks/planner_host.py).
         while len(self._copies) > 1 and (self._copies[0].event is None or self._copies[0].event.query()):
             copy = self._copies.popleft()
+            host = copy.host.numpy()
             # NOTE: a block without drafts (no n-gram match) says nothing about how good drafts would be; taken in,
             # its zeros would stop drafting for the request for good (no draft, no newer block to learn from).
-            held = copy.host[:, 0] > 0
-            current = torch.tensor(  # not released meanwhile (its row may since belong to another request)
-                [self._slot.get(rid) == slot for rid, slot in zip(copy.request_ids, copy.slots, strict=True)]
-            )
-            take = held & current
-            index = torch.tensor(copy.slots, dtype=torch.int64)[take]
-            self._stale[index] = copy.host[take].double()
-            self._has_stale[index] = True
+            held = take = host[:, 0] > 0
+            if copy.releases != self._releases:  # a row released meanwhile may belong to another request now
+                get = self._slot.get
+                pairs = zip(copy.request_ids, copy.slots, strict=True)
+                take = held & np.fromiter((get(rid) == slot for rid, slot in pairs), dtype=bool, count=len(copy.slots))
+            index = np.asarray(copy.slots, dtype=np.int64)[take]
+            self._stale.numpy()[index] = host[take]
+            self._has_stale.numpy()[index] = True
             if held.any():  # requests without a stale row start from the recent mean
-                self._prior = 0.9 * self._prior + 0.1 * copy.host[held].double().mean(dim=0)
+                self._prior = 0.9 * self._prior + 0.1 * copy.host[torch.from_numpy(held)].double().mean(dim=0)
 
     def _stale_rows(self, slots: list[int]) -> torch.Tensor:
-        """[len(slots), K] host: each row's stale survivals, or the prior where none is known yet."""
-        index = torch.tensor(slots, dtype=torch.int64)
-        return torch.where(self._has_stale[index][:, None], self._stale[index], self._prior)
+        """[len(slots), K] host float64: each row's stale survivals, or the prior where none is known yet."""
+        index = np.asarray(slots, dtype=np.int64)
+        known = self._has_stale.numpy()[index]
+        return torch.from_numpy(np.where(known[:, None], self._stale.numpy()[index], self._prior.numpy()))
 
     def should_draft(self, request_ids: list[str]) -> bool:
         """Adaptive modes: whether drafting for these requests pays at all: the cost model's answer
@@ -338,44 +346,57 @@ class VerificationPlanner:
 
     def plan(self, sched: SchedulerOutput) -> None:
         """Cut each scheduled request's drafts to the number it verifies this step (adaptive modes)."""
-        items = [s for s in sched.scheduled if s.spec_token_ids]
-        num_sampling = sum(1 for s in sched.scheduled if s.samples)
-        self._shape = (num_sampling, sched.num_tokens) if self.adaptive else None
+        # NOTE: one pass over the requests here and one at the end: at R = 1024 each pass costs 40-100 us of host time,
+        # on the critical path of a drafting step (the device is idle while the host plans).
+        items, caps, ids = [], [], []
+        num_sampling = 0
+        for s in sched.scheduled:
+            num_sampling += s.samples
+            if s.spec_token_ids:
+                items.append(s)
+                caps.append(len(s.spec_token_ids))
+                ids.append(s.request.request_id)
+        num_tokens = sched.num_tokens  # a sum over the requests: computed once
+        self._shape = (num_sampling, num_tokens) if self.adaptive else None
         self._verified_drafts = False
-        num_drafts = sum(len(s.spec_token_ids) for s in items)
-        self._decode_only = num_sampling == len(sched.scheduled) == sched.num_tokens - num_drafts
+        num_other = num_tokens - sum(caps)
+        self._decode_only = num_sampling == len(sched.scheduled) == num_other
         if not items:
             return
+        hist = self.verify_len_hist
+        if not self.adaptive:
+            for c in caps:
+                hist[c] += 1
+            return
+        assert self.cost is not None
         started = time.perf_counter()
-        caps = [len(s.spec_token_ids) for s in items]
-        num_other = sched.num_tokens - sum(caps)
-        if self.adaptive:
-            assert self.cost is not None
-            slots = self._rows([s.request.request_id for s in items])
-            if self.mode == "async":
-                self._harvest()
-                stale = self._stale_rows(slots)
-                stale = torch.where(torch.arange(self.k)[None, :] < torch.tensor(caps)[:, None], stale, 0.0)
-                budget = choose_budget(stale, num_sampling, num_other, self.cost)
-                counts = _counts_without_live_values(caps, budget)
-                if counts is None:
-                    live = self._live[upload(slots, torch.int64, self.device)]
-                    counts = download(allocate(live, budget, upload(caps, torch.int64, live.device)))[0]
-            else:
-                live = self._live[upload(slots, torch.int64, self.device)]
-                cap_t = upload(caps, torch.int64, live.device)
-                counts = download(choose_budget_sync(live, num_sampling, num_other, self.cost, cap_t))[0]
-            for s, n in zip(items, counts, strict=True):
-                s.num_new_tokens -= len(s.spec_token_ids) - n
+        slots = self._rows(ids)
+        if self.mode == "async":
+            self._harvest()
+            cap = np.asarray(caps, dtype=np.int64)
+            stale = np.where(np.arange(self.k)[None, :] < cap[:, None], self._stale_rows(slots).numpy(), 0.0)
+            budget = choose_budget(torch.from_numpy(stale), num_sampling, num_other, self.cost)
+            counts = _counts_without_live_values(caps, budget)
+            if counts is None:
+                rows = upload_tensor(torch.from_numpy(np.asarray(slots, dtype=np.int64)), self.device)
+                live = self._live[rows]
+                counts = download(allocate(live, budget, upload_tensor(torch.from_numpy(cap), live.device)))[0]
+        else:
+            live = self._live[upload(slots, torch.int64, self.device)]
+            cap_t = upload(caps, torch.int64, live.device)
+            counts = download(choose_budget_sync(live, num_sampling, num_other, self.cost, cap_t))[0]
+        for s, c, n in zip(items, caps, counts, strict=True):
+            if n < c:
+                s.num_new_tokens -= c - n
                 s.spec_token_ids = s.spec_token_ids[:n]
-            self.num_planned_steps += 1
-            self.sum_budget += sum(counts)
-            self._shape = (num_sampling, num_other + sum(counts))
-            self._verified_drafts = sum(counts) > 0
-            # Host time of the budget choice and the allocation, kernel and copy included (the device is idle here).
-            self.plan_ms_total += (time.perf_counter() - started) * 1e3
-        for s in items:
-            self.verify_len_hist[len(s.spec_token_ids)] += 1
+            hist[n] += 1
+        verified = sum(counts)
+        self.num_planned_steps += 1
+        self.sum_budget += verified
+        self._shape = (num_sampling, num_other + verified)
+        self._verified_drafts = verified > 0
+        # Host time of the budget choice and the allocation, kernel and copy included (the device is idle here).
+        self.plan_ms_total += (time.perf_counter() - started) * 1e3
 
     def step_started(self) -> None:
         """Before planning: the step's measured time includes the planning."""
@@ -491,6 +512,7 @@ class VerificationPlanner:
         if slot is not None:
             self._has_stale[slot] = False
             self._free.append(slot)
+            self._releases += 1
         self._history.discard(request_id)
         self._pending.discard(request_id)
         self._stratum.pop(request_id, None)

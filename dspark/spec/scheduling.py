@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from dspark.spec.cost_model import CostModel
@@ -49,18 +50,21 @@ def choose_budget(
     """B*: the verification budget with the most expected tokens per millisecond (the smallest B on ties)."""
     if survival.numel() <= SMALL_BUDGET_CHOICE:
         return _choose_budget_floats(survival, num_sampling, num_other_tokens, cost, context_tokens)
-    return _choose_budget_tensors(survival, num_sampling, num_other_tokens, cost, context_tokens)
+    return _choose_budget_arrays(survival, num_sampling, num_other_tokens, cost, context_tokens)
 
 
-def _choose_budget_tensors(
+def _choose_budget_arrays(
     survival: torch.Tensor, num_sampling: int, num_other_tokens: int, cost: CostModel, context_tokens: int | None
 ) -> int:
-    values = survival.flatten().double()
-    top = torch.sort(values[values > 0], descending=True).values
-    gains = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(top, 0)]) + num_sampling
-    budgets = torch.arange(top.numel() + 1, dtype=torch.int64)
-    rate = gains / cost.step_ms(num_sampling, num_other_tokens + budgets, context_tokens)
-    return int(torch.argmax(rate))  # NOTE: argmax returns the first maximum: the cheapest of equal rates
+    """choose_budget in numpy (the cost curve in torch, on a view of the same memory): at R = 1024, K = 7 torch's sort
+    alone took 0.40 ms on the 2-vCPU machine against numpy's 0.17, and the whole choice 0.84 ms (planner_host.py).
+    The same sums in the same order as the float path."""
+    values = survival.detach().cpu().numpy().astype(np.float64, copy=False).ravel()
+    top = -np.sort(-values[values > 0])  # descending
+    gains = np.concatenate([np.zeros(1), np.cumsum(top)]) + num_sampling
+    budgets = torch.arange(top.size + 1, dtype=torch.int64)
+    rate = gains / cost.step_ms(num_sampling, num_other_tokens + budgets, context_tokens).numpy()
+    return int(np.argmax(rate))  # NOTE: argmax returns the first maximum: the cheapest of equal rates
 
 
 SMALL_BUDGET_CHOICE = 64  # survival slots up to which choose_budget runs on Python floats
