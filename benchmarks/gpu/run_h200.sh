@@ -9,6 +9,7 @@
 #                 GPU 0 and T = 1 on the last, nothing else running (the goal's comparison; async scheduling's gain).
 #   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1 and 16, async and sync
 #                 (prefill_profile.py) on the last GPU; the GPU tests on GPU 0.
+#   PHASE=plan   : planning's share of a drafting step at C = 256 and 1024 (step_profile.py adaptive-drafting).
 #   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
 #   PHASE=sweep : the full sweep, one temperature per GPU (T = 0 on GPU 0, T = 1 on the last), with the hf arm.
 #   PHASE=serve : issue 7 on the GPU: `dspark serve` per arm (no-spec, fixed-7, adaptive) on GPU 0, loaded by
@@ -94,6 +95,11 @@ elif [ "$PHASE" = prefill ]; then
   wait
   grep -A1 "prefill step" "$OUT"/prefill-profile*.log
   cat "$OUT/gpu-tests.log"
+elif [ "$PHASE" = plan ]; then
+  # The goal "budget choice and allocation under 2% of a step at C = 1024": every step plans (the regime held to
+  # drafting); plan.choose_budget and plan.allocate are timed on their own. Nothing else runs.
+  on 0 170 python benchmarks/gpu/step_profile.py --device cuda --concurrency 256 1024 --config adaptive-drafting \
+    no-spec --steps 20 --output "$OUT/step-profile-plan.json" 2>&1 | quiet | grep -v "^ *$" | tail -12
 elif [ "$PHASE" = attention ]; then
   on 0 120 python benchmarks/gpu/bench_attention.py --output "$OUT/attention.json" 2>&1 | quiet
   on 0 150 python -m dspark profile --device cuda --speculative-config "$SPEC" \
