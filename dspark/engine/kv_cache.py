@@ -79,6 +79,10 @@ class KVCacheManager:
         changed). Lookahead slots are written by a drafter past the request's tokens and never become computed."""
         total = req.num_computed_tokens + len(prefix_blocks) * self.block_size + num_new_tokens + lookahead
         num_new_blocks = self.blocks_needed(total) - len(req.block_ids) - len(prefix_blocks)
+        if num_new_blocks <= 0 and not prefix_blocks and req.num_computed_tokens:
+            # NOTE: a running request whose blocks already hold the step: most calls (every request, every decode
+            # step; a new block every block_size tokens). The general path below then changes nothing.
+            return True
         reusable = sum(1 for b in prefix_blocks if self.ref_count[b] == 0)
         if num_new_blocks > len(self.free) - reusable:
             return False
