@@ -75,7 +75,7 @@ class CostCurve:
             lo = hi - 1
             linear = ms[lo] + (ms[hi] - ms[lo]) / (sizes[hi] - sizes[lo]) * (x - sizes[lo])
         out = np.where(x <= self.capture_limit, step, linear)
-        return torch.from_numpy(np.maximum(out, ms[0]))  # below the first profiled size: never cheaper than it
+        return torch.from_numpy(np.asarray(np.maximum(out, ms[0])))  # never cheaper than the first profiled size
 
     def at(self, n: int) -> float:
         """The prediction for one size, in plain floats: what __call__ gives for [n], without building tensors (the

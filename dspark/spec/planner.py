@@ -47,11 +47,10 @@ TIMED_AFTER_DRAFTS = 4  # plain steps after a step with drafts that are always t
 class _Copy:
     """An asynchronous device-to-host copy of one step's survivals."""
 
-    request_ids: list[str]
-    slots: list[int]  # their rows in the planner's tables when the copy was made
+    slots: list[int]  # the requests' rows in the planner's tables when the copy was made
     host: torch.Tensor  # [R, K]
     event: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
-    releases: int = 0  # the planner's release count when the copy was made: unchanged since, every row is current
+    generations: np.ndarray  # [R] int64: each row's generation when the copy was made (a row released since moved on)
 
 
 @dataclass
@@ -180,7 +179,7 @@ class VerificationPlanner:
         self._pending: set[str] = set()  # requests with live drafts not yet verified or dropped
         self._stratum: dict[str, int] = {}
         self._copies: deque[_Copy] = deque()
-        self._releases = 0  # rows released so far (a copy's rows are all current while this has not moved)
+        self._generation = np.zeros(0, dtype=np.int64)  # [N] times each row was released
         self._prior = 0.5 ** torch.arange(1, num_spec_tokens + 1, dtype=torch.float64)  # before any survival is seen
         # Conditional acceptance per stratum and position: reached (every earlier draft accepted) and accepted counts.
         self.reached = torch.zeros(num_strata, num_spec_tokens, dtype=torch.float64)
@@ -231,6 +230,7 @@ class VerificationPlanner:
 
         self._smoothed, self._raw, self._live = pad(self._smoothed), pad(self._raw), pad(self._live)
         self._stale, self._has_stale = pad(self._stale), pad(self._has_stale)
+        self._generation = np.concatenate([self._generation, np.zeros(more, dtype=np.int64)])
         self._free.extend(range(n + more - 1, n - 1, -1))
 
     def observe(
@@ -276,9 +276,9 @@ class VerificationPlanner:
         self._live[index] = live
         self._history.update(request_ids)
         self._pending.update(request_ids)
-        self._publish(request_ids, slots, live)
+        self._publish(slots, live)
 
-    def _publish(self, request_ids: list[str], slots: list[int], live: torch.Tensor) -> None:
+    def _publish(self, slots: list[int], live: torch.Tensor) -> None:
         if not self.adaptive:
             # NOTE: nothing harvests the copies in fixed mode (there is no budget to choose); they used to pile up,
             # [R, K] of pinned memory a step, for as long as the engine ran.
@@ -288,9 +288,9 @@ class VerificationPlanner:
             host.copy_(live, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._copies.append(_Copy(request_ids, slots, host, event, self._releases))
+            self._copies.append(_Copy(slots, host, event, self._generation[slots]))
         else:
-            self._copies.append(_Copy(request_ids, slots, live.clone(), None, self._releases))
+            self._copies.append(_Copy(slots, live.clone(), None, self._generation[slots]))
 
     def _harvest(self) -> None:
         """Take in the copies older than the newest one whose transfer has finished (never waits)."""
@@ -301,12 +301,12 @@ class VerificationPlanner:
             host = copy.host.numpy()
             # NOTE: a block without drafts (no n-gram match) says nothing about how good drafts would be; taken in,
             # its zeros would stop drafting for the request for good (no draft, no newer block to learn from).
-            held = take = host[:, 0] > 0
-            if copy.releases != self._releases:  # a row released meanwhile may belong to another request now
-                get = self._slot.get
-                pairs = zip(copy.request_ids, copy.slots, strict=True)
-                take = held & np.fromiter((get(rid) == slot for rid, slot in pairs), dtype=bool, count=len(copy.slots))
-            index = np.asarray(copy.slots, dtype=np.int64)[take]
+            held = host[:, 0] > 0
+            rows = np.asarray(copy.slots, dtype=np.int64)
+            # A row released since the copy was made may belong to another request now (or to the same request id,
+            # added again): its generation moved on.
+            take = held & (self._generation[rows] == copy.generations)
+            index = rows[take]
             self._stale.numpy()[index] = host[take]
             self._has_stale.numpy()[index] = True
             if held.any():  # requests without a stale row start from the recent mean
@@ -512,7 +512,7 @@ class VerificationPlanner:
         if slot is not None:
             self._has_stale[slot] = False
             self._free.append(slot)
-            self._releases += 1
+            self._generation[slot] += 1
         self._history.discard(request_id)
         self._pending.discard(request_id)
         self._stratum.pop(request_id, None)

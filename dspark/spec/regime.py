@@ -80,13 +80,14 @@ class RegimeChooser:
                 choice = ask() if found is None else found[0]
             self._current = choice
             other = not choice
-            gap = max(lv.period, self._spacing(lv), self._inherited_gap(lv, num_requests))
-            if lv.since[other] >= gap:
+            own = max(lv.period, self._spacing(lv))
+            if lv.since[other] >= max(own, self._inherited_gap(lv, num_requests)):
                 lv.burst, lv.burst_regime = BURST - 1, other
-                # NOTE: doubled from the gap just waited, not from the period alone: once the spacing exceeds the
-                # period, doubling a small period would leave the bursts at the spacing for several more rounds. On
-                # the H200 (session 4) that was ~12 bursts in a 4096-step C = 1 row, ~1% of its time.
-                lv.period = min(2 * gap, MAX_PERIOD)
+                # NOTE: doubled from the level's own gap just waited, not from the period alone: once the spacing
+                # exceeds the period, doubling a small period would leave the bursts at the spacing for several more
+                # rounds. On the H200 (session 4) that was ~12 bursts in a 4096-step C = 1 row, ~1% of its time. A
+                # neighbour's gap only delays a level's first burst: after it the level has measured rates of its own.
+                lv.period = min(2 * own, MAX_PERIOD)
                 self.num_explorations += 1
                 choice = other
         lv.since[choice] = 0
@@ -111,13 +112,14 @@ class RegimeChooser:
         return None
 
     def _inherited_gap(self, lv: _Level, num_requests: int) -> int:
-        """A level that follows its neighbour's verdict (not measured itself yet) explores no sooner than that
-        neighbour would next explore (its spacing, or its period if longer): the verdict transfers, and so does the
-        trust its bursts earned. NOTE: on the H200 (session 3, synchronous steps,
-        results/h200/gpu-path/2026-11-30-s3/sync-after-async-commit-t0.json), a new level's first bursts (after 2, then
-        4 steps) spent 12 of the C = 16 row's 256 steps drafting: 54 ms of its 478. With the neighbour's spacing alone
-        (session 4, results/h200/gpu-path/2026-11-30-s4), one burst still came in each C = 16 row: drafting there costs
-        4.6x a plain step against 2.9x at C = 1 (verification gets dearer with load), ~4% of the row."""
+        """A level that follows its neighbour's verdict (not measured itself yet) explores no sooner than that neighbour
+        would next explore (its spacing, or its period if longer): the verdict transfers, and so does the trust its
+        bursts earned. NOTE: on the H200 (session 3, synchronous steps,
+        benchmarks/results/h200/gpu-path/2026-11-30-s3/sync-after-async-commit-t0.json), a new level's first bursts
+        (after 2, then 4 steps) spent 12 of the C = 16 row's 256 steps drafting: 54 ms of its 478. With the neighbour's
+        spacing alone (session 4, benchmarks/results/h200/gpu-path/2026-11-30-s4), one burst still came in each C = 16
+        row: drafting there costs 4.6x a plain step against 2.9x at C = 1 (verification gets dearer with load), ~4% of
+        the row."""
         if len(lv.rate) == 2:
             return 0
         found = self._neighbour(self.level(num_requests))

@@ -61,7 +61,8 @@ class GraphRunner:
         block_size: int,
         tap_layers: tuple[int, ...],
         device: torch.device,
-        # The drafter's context write, captured after the target's forward on every row (taps, positions, slots).
+        # The drafter's context write of every row (taps, positions, slots), captured with the target's forward on a
+        # side stream (see _forward).
         context_writer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
         self.model, self.caches, self.device = model, caches, device

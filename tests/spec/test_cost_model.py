@@ -75,3 +75,37 @@ def test_json_round_trip_is_keyed(tmp_path: Path) -> None:
     path.write_text("{not json")
     assert CostModel.load(path, key) is None
     assert CostModel.load(tmp_path / "missing.json", key) is None
+
+
+def _torch_curve(curve: CostCurve, n: torch.Tensor) -> torch.Tensor:
+    """The curve in torch tensor ops (what ran before the numpy version): the reference."""
+    sizes = torch.tensor(curve.sizes, dtype=torch.float64)
+    ms = torch.tensor(curve.monotone_ms, dtype=torch.float64)
+    x = n.to(torch.float64)
+    above = torch.searchsorted(sizes, x).clamp(max=len(curve.sizes) - 1)
+    if len(curve.sizes) == 1:
+        linear = ms[0] * x / sizes[0]
+    else:
+        hi = above.clamp(min=1)
+        lo = hi - 1
+        linear = ms[lo] + (ms[hi] - ms[lo]) / (sizes[hi] - sizes[lo]) * (x - sizes[lo])
+    return torch.where(x <= curve.capture_limit, ms[above], linear).clamp(min=float(ms[0]))
+
+
+def test_the_numpy_curve_is_the_torch_one_bit_for_bit() -> None:
+    """The curve runs in numpy for speed (the budget choice evaluates it at every candidate budget); its values are
+    the torch formula's, bit for bit, for any input dtype, and a 0-d input gives a 0-d tensor."""
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(200):
+        num_points = 1 + trial % 6
+        sizes = sorted(set(torch.randint(1, 4096, (num_points,), generator=gen).tolist()))
+        ms = (torch.rand(len(sizes), generator=gen) * 10).tolist()
+        limit = sizes[trial % len(sizes)] if trial % 3 else 0
+        curve = CostCurve(sizes=sizes, ms=ms, capture_limit=limit)
+        n = torch.randint(0, 9000, (50,), generator=gen)
+        for x in (n, n.to(torch.int32), n.float(), n.double()):
+            got = curve(x)
+            assert got.dtype == torch.float64
+            assert torch.equal(got, _torch_curve(curve, x)), (trial, x.dtype)
+    scalar = CostCurve(sizes=[1, 8], ms=[1.0, 2.0])(torch.tensor(4))
+    assert scalar.shape == () and float(scalar) == pytest.approx(1.0 + 3 / 7)

@@ -177,6 +177,62 @@ def test_on_taps_gets_the_taps_as_soon_as_the_last_tapped_layer_ran(targets: dic
     torch.testing.assert_close(got[0][1], want, rtol=0, atol=0)
 
 
+class _StubNorm:
+    """Records its calls; forward_add returns (norm, residual) as the fused RMSNorm does, as new tensors."""
+
+    def __init__(self, name: object, log: list[tuple[str, object]]) -> None:
+        self.name, self.log = name, log
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(("norm", self.name))
+        return x * 1.0
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.log.append(("add", self.name))
+        total = x + residual
+        return total * 1.0, total
+
+
+class _StubLayer:
+    def __init__(self, i: int, log: list[tuple[str, object]]) -> None:
+        self.i, self.log, self.input_layernorm = i, log, _StubNorm(i, log)
+
+    def __call__(self, x: torch.Tensor, rope: object, ctx: object) -> torch.Tensor:
+        self.log.append(("layer", self.i))
+        return x + self.i + 1
+
+    def forward_fused(
+        self, h: torch.Tensor, residual: torch.Tensor, rope: object, ctx: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.log.append(("layer", self.i))
+        return torch.full_like(h, self.i + 1.0), residual
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("taps", [(1, 3), (5,), (0, 5), (0,)])
+def test_on_taps_fires_once_right_after_the_last_tap_on_both_paths(fused: bool, taps: tuple[int, ...]) -> None:
+    """On the fused path (CUDA) a layer's output first exists inside the next layer's add+norm, and the last layer's
+    inside the final norm: the hook fires there, once, with the same taps the stack returns, before any later layer."""
+    from dspark.models import fused_ops
+    from dspark.models.llama import decoder_stack
+
+    log: list[tuple[str, object]] = []
+    layers = [_StubLayer(i, log) for i in range(6)]
+    seen: list[list[torch.Tensor]] = []
+
+    def hook(got: list[torch.Tensor]) -> None:
+        log.append(("hook", len(got)))
+        seen.append(list(got))
+
+    with fused_ops.forced(fused):
+        _, returned = decoder_stack(layers, _StubNorm("final", log), torch.zeros(2, 3), None, None, taps, hook)
+    assert [e for e in log if e[0] == "hook"] == [("hook", len(taps))]
+    after = log[log.index(("hook", len(taps))) + 1 :]
+    assert not [e for e in after if e[0] == "layer" and e[1] <= max(taps)]  # the tapped layers had all run
+    assert [e for e in after if e[0] == "layer"] == [("layer", i) for i in range(max(taps) + 1, 6)]  # later ones not
+    assert len(seen[0]) == len(returned) and all(a is b for a, b in zip(seen[0], returned, strict=True))
+
+
 def _drafter_config(target: CausalLM, variant: str = "learned_mask", block_size: int = K) -> DSparkConfig:
     cfg = DSparkConfig.for_target(
         target.config,

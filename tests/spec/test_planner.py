@@ -106,6 +106,24 @@ def test_rows_are_reused_after_release_without_leaking_state() -> None:
     assert not bool(planner._has_stale[slot])  # nor an inherited stale row: the prior stands in until one arrives
 
 
+def test_a_copy_from_before_a_release_is_not_taken_into_the_rows_next_life() -> None:
+    """A survivals copy still in flight when its request finished must not become the stale row of whatever holds
+    that row next: another request, or the same request id added again (the freed row is handed out first)."""
+    for next_id in ("b", "a"):
+        planner = VerificationPlanner(K, "async", 0.0, _pays_for_sure_drafts(), CPU)
+        _observe(planner, ["a"], 0.999)  # a's copy, not taken in yet (no newer copy exists)
+        slot = planner._slot["a"]
+        planner.release("a")
+        _observe(planner, [next_id], 0.01)  # the row's next life; its copy is the newest, so a's old one is harvested
+        assert planner._slot[next_id] == slot
+        planner.should_draft([next_id])  # harvests
+        assert not bool(planner._has_stale[slot]), next_id  # a's 0.999s did not become this request's stale row
+        sched = _sched([_request(next_id)])
+        planner.plan(sched)
+        # no stale row: the prior (0.5, 0.25, ...) chooses the budget, not a's sure drafts
+        assert len(sched.scheduled[0].spec_token_ids) < K, next_id
+
+
 def test_drafting_stops_when_the_drafter_costs_more_than_its_drafts_return() -> None:
     verify = {1: 10.0, 256: 10.0, 512: 20.0, 2048: 80.0}  # free up to 256 tokens
     cheap = CostModel.from_points(verify, {1: 0.1, 64: 0.5})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from dspark.spec.regime import BURST, FIRST_PERIOD, RegimeChooser
+from dspark.spec.regime import BURST, FIRST_PERIOD, MAX_PERIOD, RegimeChooser
 
 
 def _run(chooser: RegimeChooser, steps: int, model_says: bool, spec_rate: float, plain_rate: float) -> list[bool]:
@@ -195,3 +195,24 @@ def test_a_new_level_waits_as_long_as_its_neighbour_whose_verdict_held() -> None
         chooser.observe(200, False, drafted, 200, 200 / (0.6 if drafted else 1.0))
         choices.append(drafted)
     assert choices.index(True) >= neighbour.period
+
+
+def test_a_neighbours_gap_delays_only_a_levels_first_burst() -> None:
+    """After its first burst a level has rates of its own, and its gaps grow from its own spacing: the neighbour's
+    long period is not carried on as the level's own (it would keep the level from re-checking for good)."""
+    chooser = RegimeChooser()
+    _run(chooser, 6000, model_says=False, spec_rate=0.6, plain_rate=1.0)
+    neighbour = chooser.levels[chooser.level(16)]
+    assert neighbour.period >= MAX_PERIOD // 2
+    choices, previous = [], False
+    for _ in range(neighbour.period + 3000):
+        drafted = chooser.choose(200, True)
+        chooser.observe(200, previous, drafted, 200, 200 / (0.6 if drafted else 1.0))
+        choices.append(drafted)
+        previous = drafted
+    starts = _burst_starts(choices, True)
+    level = chooser.levels[chooser.level(200)]
+    own = chooser._spacing(level)
+    assert starts[0] >= neighbour.period  # the first burst waits for the neighbour's gap
+    assert 0 < own < MAX_PERIOD // 4
+    assert len(starts) >= 2 and starts[1] - starts[0] < 4 * own  # then the level's own gap
