@@ -2,7 +2,8 @@
 
     python benchmarks/planner_host.py --requests 1 256 1024 [--device cuda]
 
-A steady loop of the planner's calls as the engine makes them, with synthetic drafts and outcomes and a synthetic
+A steady loop of the planner's calls as the engine makes them (with --prepare, also prepare() before observe, as the
+engine calls it while the drafting pass runs on the device), with synthetic drafts and outcomes and a synthetic
 cost curve: every step verifies last step's drafts (plan, record), then drafts again (should_draft, observe), and is
 timed (step_started, step_finished). A "plain" loop runs the calls of a step that neither verifies nor drafts.
 """
@@ -31,7 +32,7 @@ def _cost() -> CostModel:
     return CostModel.from_points(verify, draft, capture_limit=512)
 
 
-def run(num_reqs: int, device: torch.device, steps: int, drafting: bool) -> dict[str, float]:
+def run(num_reqs: int, device: torch.device, steps: int, drafting: bool, prepare: bool = False) -> dict[str, float]:
     planner = VerificationPlanner(K, "async", 0.8, _cost(), device)
     reqs = []
     for i in range(num_reqs):
@@ -68,6 +69,8 @@ def run(num_reqs: int, device: torch.device, steps: int, drafting: bool) -> dict
             timed("record", planner.record, outcomes)
         pays = timed("should_draft", planner.should_draft, ids)
         if drafting:
+            if prepare:  # as the engine does while the drafting pass runs on the device
+                timed("prepare", planner.prepare, ids, [K] * num_reqs, num_reqs, num_reqs)
             timed("observe", planner.observe, ids, [K] * num_reqs, conf)
         timed("step_finished", planner.step_finished, drafting and pays, num_reqs)
     return {k: v / steps * 1e6 for k, v in acc.items()}
@@ -78,13 +81,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 256, 1024])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument(
+        "--prepare", action="store_true", help="also drafting steps whose budget is prepared while drafting (engine)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
-    for drafting in (False, True):
+    loops = [(False, False), (True, False)] + ([(True, True)] if args.prepare else [])
+    for drafting, prepare in loops:
         for r in args.requests:
-            us = run(r, device, args.steps, drafting)
+            us = run(r, device, args.steps, drafting, prepare)
             phases = ", ".join(f"{k} {v:.0f}" for k, v in sorted(us.items(), key=lambda kv: -kv[1]))
-            kind = "drafting" if drafting else "plain"
+            kind = ("drafting, prepared" if prepare else "drafting") if drafting else "plain"
             print(f"{kind} R={r}: {sum(us.values()):.0f} us/step | {phases}", flush=True)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from dspark import LLM, SamplingParams
 from dspark.spec import planner as planner_module
+from dspark.spec.drafter import Proposal
 
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "no-spec": None,
@@ -73,7 +74,17 @@ def profile(name: str, device: str, concurrency: int, steps: int, cprofile: int 
     wrap(engine.scheduler, "schedule", "schedule", acc)
     wrap(engine.runner, "launch", "launch", acc)  # inputs, graph replay, sampling queued
     wrap(engine.runner, "collect", "collect", acc)  # the wait for the step's tokens
-    wrap(engine.runner, "propose", "propose", acc)
+    wrap(engine.runner, "propose", "propose", acc)  # queues the drafting pass; "draft wait" waits for its tokens
+    wait = Proposal.token_ids.fget
+    assert wait is not None
+
+    def timed_wait(proposal: Proposal) -> list[list[int]]:
+        start = time.perf_counter()
+        out = wait(proposal)
+        acc["draft wait"] += time.perf_counter() - start
+        return out
+
+    Proposal.token_ids = property(timed_wait)  # type: ignore[method-assign,assignment]
     wrap(engine, "_process", "process", acc)
     eager = collections.Counter()  # steps the CUDA graphs did not cover, by (tokens, requests, max query length)
     graphs = engine.runner.graphs
@@ -88,9 +99,10 @@ def profile(name: str, device: str, concurrency: int, steps: int, cprofile: int 
 
         graphs.pick = counted_pick  # type: ignore[method-assign]
     if engine.planner is not None:
-        for fn in ("plan", "record", "should_draft", "observe", "step_started", "step_finished"):
+        for fn in ("plan", "prepare", "record", "should_draft", "observe", "step_started", "step_finished"):
             wrap(engine.planner, fn, f"planner.{fn}", acc)
-        # inside plan: the budget choice and the allocation (kernel, copy and wait), the goal's "under 2% of a step"
+        # inside plan: the budget choice and the allocation (kernel, copy and wait), the goal's "under 2% of a step".
+        # NOTE: plan.choose_budget counts the choices made in prepare() too (while the drafting pass runs).
         for fn in PLAN_PARTS:
             wrap(planner_module, fn, f"plan.{fn}", acc)
     if device == "cuda":
@@ -125,6 +137,7 @@ def profile(name: str, device: str, concurrency: int, steps: int, cprofile: int 
     row["steps_by_kind"] = {k: {"count": len(v), "median_ms": statistics.median(v)} for k, v in by_kind.items()}
     for fn, original in PLAN_PARTS.items():  # unwrapped again for the next engine
         setattr(planner_module, fn, original)
+    Proposal.token_ids = property(wait)  # type: ignore[method-assign,assignment]
     del llm, engine
     gc.collect()
     if device == "cuda":

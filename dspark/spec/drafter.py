@@ -15,6 +15,7 @@ import torch
 
 from dspark.config import SpeculativeConfig
 from dspark.engine.request import Request
+from dspark.worker.transfer import Download
 
 if TYPE_CHECKING:
     from dspark.models.llama import CausalLM
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
 class Proposal:
     """Drafts for a batch of requests, in the order they were asked for."""
 
-    token_ids: list[list[int]]  # per request, up to max_num_tokens
+    # per request, up to max_num_tokens; or their copy to the host, still in flight (read through token_ids), so that
+    # the host can prepare the next step while the drafting pass runs on the device
+    tokens: list[list[int]] | Download
     # [num_reqs, max_num_tokens, vocab] fp32: the distribution each draft was sampled from; None for drafters
     # without one (their drafts are verified strictly).
     probs: torch.Tensor | None = None
@@ -36,6 +39,13 @@ class Proposal:
     # Drafters without confidences may sort requests into strata (n-gram: the match length) whose acceptance the
     # engine learns online; None: one stratum.
     strata: list[int] | None = None
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        """The drafts; the first read waits for their copy to the host."""
+        if isinstance(self.tokens, Download):
+            self.tokens = self.tokens.wait()[0].tolist()
+        return self.tokens
 
 
 class Drafter(Protocol):

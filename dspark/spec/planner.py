@@ -200,6 +200,9 @@ class VerificationPlanner:
         self._since_drafts = TIMED_AFTER_DRAFTS + 1  # steps since one with drafts to verify
         self._since_timed = 0
         self._pays_cache: dict[int, tuple[bool, int]] = {}  # num requests -> (answer, steps it may still be reused)
+        # prepare(): the step it expects (request ids, caps, requests sampling, other tokens) and the budget for it
+        self._prepared: tuple[tuple[list[str], list[int], int, int], int] | None = None
+        self.num_prepared_budgets = 0  # planned steps whose budget prepare() had chosen
         self._last_continued: float | None = None  # when the last continued step was collected, in a run of them
 
     @property
@@ -292,12 +295,16 @@ class VerificationPlanner:
         else:
             self._copies.append(_Copy(slots, live.clone(), None, self._generation[slots]))
 
-    def _harvest(self) -> None:
-        """Take in the copies older than the newest one whose transfer has finished (never waits)."""
+    def _harvest(self, newest_too: bool = False) -> int:
+        """Take in the copies older than the newest one (with newest_too, the newest as well) whose transfer has
+        finished (never waits); how many were taken. Taking any voids a prepared budget."""
         # NOTE: host arrays in numpy (views of the tables' memory): torch's per-op overhead made this 0.43 ms of a
         # 2.9 ms plan() at R = 1024 on the 2-vCPU machine (benchmarks/planner_host.py).
-        while len(self._copies) > 1 and (self._copies[0].event is None or self._copies[0].event.query()):
+        taken = 0
+        keep = 0 if newest_too else 1
+        while len(self._copies) > keep and (self._copies[0].event is None or self._copies[0].event.query()):
             copy = self._copies.popleft()
+            taken += 1
             host = copy.host.numpy()
             # NOTE: a block without drafts (no n-gram match) says nothing about how good drafts would be; taken in,
             # its zeros would stop drafting for the request for good (no draft, no newer block to learn from).
@@ -311,6 +318,9 @@ class VerificationPlanner:
             self._has_stale.numpy()[index] = True
             if held.any():  # requests without a stale row start from the recent mean
                 self._prior = 0.9 * self._prior + 0.1 * copy.host[torch.from_numpy(held)].double().mean(dim=0)
+        if taken:
+            self._prepared = None  # chosen from the rows as they were before
+        return taken
 
     def _stale_rows(self, slots: list[int]) -> torch.Tensor:
         """[len(slots), K] host float64: each row's stale survivals, or the prior where none is known yet."""
@@ -372,12 +382,16 @@ class VerificationPlanner:
         started = time.perf_counter()
         slots = self._rows(ids)
         if self.mode == "async":
-            self._harvest()
-            cap = np.asarray(caps, dtype=np.int64)
-            stale = np.where(np.arange(self.k)[None, :] < cap[:, None], self._stale_rows(slots).numpy(), 0.0)
-            budget = choose_budget(torch.from_numpy(stale), num_sampling, num_other, self.cost)
+            self._harvest()  # anything it takes voids the prepared budget
+            prepared, self._prepared = self._prepared, None
+            if prepared is not None and prepared[0] == (ids, caps, num_sampling, num_other):
+                budget = prepared[1]  # chosen while the drafts were being drafted, from the same stale survivals
+                self.num_prepared_budgets += 1
+            else:
+                budget = self._stale_budget(slots, caps, num_sampling, num_other)
             counts = _counts_without_live_values(caps, budget)
             if counts is None:
+                cap = np.asarray(caps, dtype=np.int64)
                 rows = upload_tensor(torch.from_numpy(np.asarray(slots, dtype=np.int64)), self.device)
                 live = self._live[rows]
                 counts = download(allocate(live, budget, upload_tensor(torch.from_numpy(cap), live.device)))[0]
@@ -397,6 +411,31 @@ class VerificationPlanner:
         self._verified_drafts = verified > 0
         # Host time of the budget choice and the allocation, kernel and copy included (the device is idle here).
         self.plan_ms_total += (time.perf_counter() - started) * 1e3
+
+    def _stale_budget(self, slots: list[int], caps: list[int], num_sampling: int, num_other: int) -> int:
+        """B* from the rows' stale survivals, each cut to the drafts its request holds."""
+        assert self.cost is not None
+        cap = np.asarray(caps, dtype=np.int64)
+        stale = np.where(np.arange(self.k)[None, :] < cap[:, None], self._stale_rows(slots).numpy(), 0.0)
+        return choose_budget(torch.from_numpy(stale), num_sampling, num_other, self.cost)
+
+    def prepare(self, request_ids: list[str], caps: list[int], num_sampling: int, num_other: int) -> None:
+        """Async mode: choose the next step's budget now, while the drafting pass runs on the device, for the step the
+        engine expects (these requests verifying up to `caps` drafts, num_sampling requests sampling, num_other plain
+        tokens). plan() uses it if that is the step it gets and no newer survivals arrived meanwhile; else it chooses
+        again. Either way the budget reads only survivals of drafts already verified, never the ones being drafted.
+
+        NOTE: every copy whose transfer has finished is taken in here, the newest too: plan() would take the same ones
+        (it takes all but the newest, and the drafts being drafted now publish a newer one), so both choose from the
+        same rows. The refined cost model is read as it is now, without the timing of the step that is drafting (one
+        step of an average with decay 0.98). At R = 1024 on the 2-vCPU machine the choice and its harvest were ~0.7
+        of plan()'s 1.9 ms."""
+        self._prepared = None
+        if self.mode != "async" or not request_ids:
+            return
+        self._harvest(newest_too=True)
+        budget = self._stale_budget(self._rows(request_ids), caps, num_sampling, num_other)
+        self._prepared = ((list(request_ids), list(caps), num_sampling, num_other), budget)
 
     def step_started(self) -> None:
         """Before planning: the step's measured time includes the planning."""
@@ -509,6 +548,7 @@ class VerificationPlanner:
     def release(self, request_id: str) -> None:
         """The request finished: forget everything about it (the EMA restarts for a new request)."""
         slot = self._slot.pop(request_id, None)
+        self._prepared = None
         if slot is not None:
             self._has_stale[slot] = False
             self._free.append(slot)

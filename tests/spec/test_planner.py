@@ -3,6 +3,8 @@ only when it pays, online acceptance for drafters without confidences, and the o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -287,3 +289,86 @@ def test_published_copies_do_not_pile_up(mode: str) -> None:
         planner.step_finished(drafted=True, num_emitted=4)
     assert len(planner._copies) <= 2
     assert planner.calibration.num_blocks > 0 and planner.calibration.predicted > 0
+
+
+def test_a_budget_prepared_while_drafting_is_the_one_plan_would_choose() -> None:
+    """The engine asks for the next step's budget while the drafting pass runs (prepare); plan() uses it only for the
+    step it was prepared for. Step by step the cuts are those of a planner that was never asked to prepare: the same
+    survivals feed both (prepare takes in the copies plan would), and a step that differs (a request finished, a
+    prompt chunk the engine did not expect) or newer survivals taken in since make plan choose again."""
+    gen = torch.Generator().manual_seed(3)
+    cost = CostModel.from_points({1: 1.0, 64: 1.2, 512: 3.0}, {1: 0.5, 64: 0.8}, capture_limit=64)
+    plain, prepared = (VerificationPlanner(K, "async", 0.5, cost, CPU) for _ in range(2))
+    reqs = [_request(f"r{i}") for i in range(24)]
+    differs = 0
+    for step in range(80):
+        conf = torch.rand(len(reqs), K, generator=gen) ** 0.5
+        ids = [r.request_id for r in reqs]
+        surprise = step % 7 == 3  # the engine expected a 400-token prompt chunk that the step does not have
+        prepared.prepare(ids, [K] * len(ids), len(ids), len(ids) + 400 * surprise)
+        for planner in (plain, prepared):
+            planner.observe(ids, [K] * len(ids), conf)
+            if step % 9 == 4:  # a second block of hopeless drafts: plan takes in the first, newer than prepare saw
+                planner.observe(ids, [K] * len(ids), torch.full((len(ids), K), 0.01))
+        if step % 11 == 5:  # a request finishes: the step differs from the one prepared for
+            for planner in (plain, prepared):
+                planner.release(reqs[-1].request_id)
+            reqs = [*reqs[:-1], _request(f"n{step}")]
+            continue
+        cuts = []
+        for planner in (plain, prepared):
+            sched = _sched(reqs)
+            planner.plan(sched)
+            cuts.append([len(s.spec_token_ids) for s in sched.scheduled])
+            planner.record([(s.request.request_id, len(s.spec_token_ids), 1) for s in sched.scheduled])
+        assert cuts[0] == cuts[1], step
+        known = plain._has_stale  # a released row's leftover values are never read
+        assert torch.equal(known, prepared._has_stale) and torch.equal(plain._prior, prepared._prior)
+        assert torch.equal(plain._stale[known], prepared._stale[known]), step
+        differs += sum(cuts[0]) != prepared._stale_budget(prepared._rows(ids), [K] * len(ids), len(ids), len(ids) + 400)
+    assert 30 < prepared.num_prepared_budgets < 80  # used where the step was the one expected, not elsewhere
+    assert plain.num_prepared_budgets == 0
+    assert differs > 10  # the surprise steps' prepared budgets would have been wrong
+
+
+def test_the_engine_prepares_each_drafting_steps_budget_and_plans_the_same(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """An adaptive DSpark engine (async mode, drafting every step) asks for the next budget while its drafting pass
+    runs, and plan() uses it in steady decoding. With the online cost refinement held still (a prepared budget reads
+    the refined cost as it was while drafting, one step's timing older, by design), the verification plans are those
+    of the same engine never asked to prepare: the same budgets, cuts and outputs."""
+    from dspark import LLM
+    from dspark.models.loader import load_config
+    from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
+    from dspark.spec.dspark.config import DSparkConfig
+
+    model = tiny_model_dirs["llama"]
+    cfg = DSparkConfig.for_target(load_config(model), num_layers=1, block_size=4, num_taps=2, markov_rank=8)
+    drafter = str(save_drafter(random_drafter(cfg, seed=2), tmp_path / "drafter"))
+    cost = CostModel.from_points({1: 4.0, 16: 7.75, 64: 19.75}, {1: 0.0, 64: 0.0})
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 9, 14, 6, 11, 8)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    runs = []
+    for prepare in (True, False):
+        llm = LLM(
+            model=str(model),
+            dtype="float32",
+            max_model_len=256,
+            num_kv_blocks=128,
+            cost_model=cost,
+            speculative_config={"method": "dspark", "model": drafter, "num_speculative_tokens": 4},
+        )
+        planner = llm.engine.planner
+        assert planner is not None and planner.mode == "async"
+        planner.should_draft = lambda request_ids: True  # type: ignore[method-assign]
+        assert planner.cost is not None
+        planner.cost.observe = lambda *args: None  # type: ignore[method-assign]
+        if not prepare:
+            planner.prepare = lambda *args: None  # type: ignore[method-assign]
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        runs.append((outs, planner.sum_budget, planner.num_planned_steps, list(planner.verify_len_hist)))
+        if prepare:
+            assert planner.num_prepared_budgets > 0.5 * planner.num_planned_steps
+    assert runs[0] == runs[1]

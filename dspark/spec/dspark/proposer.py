@@ -22,7 +22,7 @@ from dspark.spec.dspark.model import DSparkModel
 from dspark.worker.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache, slots_for
 from dspark.worker.attention.torch_ref import TorchAttention
 from dspark.worker.numerics import padded_rows
-from dspark.worker.transfer import download, upload, upload_tensor
+from dspark.worker.transfer import Download, upload, upload_tensor
 
 if TYPE_CHECKING:
     from dspark.spec.dspark.draft_graphs import DraftGraphs
@@ -115,7 +115,7 @@ class DSparkDrafter:
             tokens, probs, confidences = self.graphs.replay(
                 key, anchors, positions, slots, seq_lens, tables, rows, sample
             )
-            return Proposal(download(tokens)[0], probs, confidences)
+            return Proposal(Download(tokens), probs, confidences)
 
         num_tokens = num_reqs * K
         pad = padded_rows(num_tokens) - num_tokens
@@ -138,7 +138,7 @@ class DSparkDrafter:
         anchor_ids = upload(anchors, torch.int64, dev)
         pos = upload(positions + [0] * pad, torch.int64, dev)
         tokens, probs, confidences = self.block(self.backend, meta, anchor_ids, pos, temps, greedy, u_all)
-        return Proposal(download(tokens)[0], probs, confidences)
+        return Proposal(Download(tokens), probs, confidences)
 
     def block(
         self,
