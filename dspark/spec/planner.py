@@ -9,6 +9,8 @@ Each step:
    steps old and never waits for the device.
 2. `plan` (after scheduling): async mode picks B* on the host from the stale survivals (choose_budget) and allocates
    the live ones (allocate); sync mode runs Algorithm 1 on the live ones. The scheduled drafts are cut to the counts.
+   In async mode the engine asks for B* earlier, while the drafting pass runs on the device (`prepare`), and plan
+   uses that answer when the step is the one it was asked for.
 3. `record` (after verifying): per-position outcomes feed the conditional acceptance rates, the calibration monitor
    (predicted vs realised accepted drafts, ECE of the survivals of verified slots) and the trace.
 
