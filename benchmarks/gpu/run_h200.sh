@@ -71,8 +71,11 @@ elif [ "$PHASE" = diag ]; then
 elif [ "$PHASE" = quiet ]; then
   # The goal's comparison with nothing else on the machine: one temperature per GPU, 3 alternating rounds, async
   # scheduling's gain in the same run (no-spec:sync), hf at C = 256 at T = 0.
+  # QUIET_TEMPS="0" (or "1") runs one temperature alone: session 4's replicate with both at once on one host swung
+  # by 20-25% between rounds.
   for i in 0 "$LAST"; do
     t=$([ "$i" = 0 ] && echo 0 || echo 1); hf=$([ "$i" = 0 ] && echo "--hf-concurrency 256")
+    case " ${QUIET_TEMPS:-0 1} " in *" $t "*) ;; *) continue ;; esac
     (on "$i" "${QUIET_S:-540}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" --arm no-spec \
       --arm no-spec:sync --arm adaptive --arm fixed-1 --concurrency 1 16 64 256 1024 --temperature "$t" --repeats 3 \
       --output-len 256 --waves 1 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.6 $hf --data-dir "$DATA" \
