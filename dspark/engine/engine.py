@@ -546,7 +546,7 @@ class LLMEngine:
             if p.max_speculative_tokens is not None:
                 room = min(room, p.max_speculative_tokens)
             rooms.append(max(0, room))
-        if self.planner is not None:
+        if self.planner is not None and not proposal.on_host:
             self._prepare_budget(requests, rooms)  # host work while the drafting pass runs on the device
         for req, tokens, room in zip(requests, proposal.token_ids, rooms, strict=True):  # the wait for the drafts
             req.spec_token_ids = tokens[:room]

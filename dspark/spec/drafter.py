@@ -41,6 +41,11 @@ class Proposal:
     strata: list[int] | None = None
 
     @property
+    def on_host(self) -> bool:
+        """Whether the drafts are on the host already (reading token_ids will not wait)."""
+        return not isinstance(self.tokens, Download)
+
+    @property
     def token_ids(self) -> list[list[int]]:
         """The drafts; the first read waits for their copy to the host."""
         if isinstance(self.tokens, Download):

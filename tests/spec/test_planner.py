@@ -372,3 +372,19 @@ def test_the_engine_prepares_each_drafting_steps_budget_and_plans_the_same(
         if prepare:
             assert planner.num_prepared_budgets > 0.5 * planner.num_planned_steps
     assert runs[0] == runs[1]
+    # n-gram drafts are on the host at once: nothing to overlap, so nothing is prepared (plan chooses as before)
+    ngram = LLM(
+        model=str(model),
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=128,
+        cost_model=cost,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    planner = ngram.engine.planner
+    assert planner is not None
+    planner.should_draft = lambda request_ids: True  # type: ignore[method-assign]
+    asked: list[int] = []
+    planner.prepare = lambda *args: asked.append(1)  # type: ignore[method-assign]
+    ngram.generate([p * 3 for p in prompts], params)
+    assert planner.num_planned_steps > 0 and planner.sum_budget > 0 and not asked
