@@ -562,7 +562,8 @@ class LLMEngine:
         """Adaptive verification (async mode): the next step's budget, chosen now for the step expected if nothing
         changes: every running request decodes one token and verifies its drafts (the drafter's full count, within
         its room). plan() chooses again if the step differs. NOTE: on the H200 plan() took 2.5 ms of a 37.5 ms
-        drafting step at C = 1024 (step_profile.py), the device idle meanwhile; the choice is most of its host work."""
+        drafting step at C = 1024 (step_profile.py), the device idle meanwhile; on the 2-vCPU machine the choice and
+        its harvest were ~40% of plan() at R = 1024 (benchmarks/planner_host.py --prepare)."""
         assert self.planner is not None and self.runner.drafter is not None
         if self.planner.mode != "async":
             return

@@ -300,8 +300,8 @@ class VerificationPlanner:
     def _harvest(self, newest_too: bool = False) -> int:
         """Take in the copies older than the newest one (with newest_too, the newest as well) whose transfer has
         finished (never waits); how many were taken. Taking any voids a prepared budget."""
-        # NOTE: host arrays in numpy (views of the tables' memory): torch's per-op overhead made this 0.43 ms of a
-        # 2.9 ms plan() at R = 1024 on the 2-vCPU machine (benchmarks/planner_host.py).
+        # NOTE: host arrays in numpy (views of the tables' memory): with torch ops the harvests of a drafting step
+        # took 0.43 ms at R = 1024 on the 2-vCPU machine, against 2.9 ms for all of plan() (benchmarks/planner_host.py).
         taken = 0
         keep = 0 if newest_too else 1
         while len(self._copies) > keep and (self._copies[0].event is None or self._copies[0].event.query()):
