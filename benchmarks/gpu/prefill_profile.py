@@ -2,9 +2,9 @@
 
     python benchmarks/gpu/prefill_profile.py --device cuda --concurrency 1 16 --repeats 20
 
-On the H200 (session 3, results/h200/gpu-path/2026-11-30-s3) adaptive's prefill steps took 11-16 ms more than
-no-spec's whatever their size (26.7 against 13.8 ms for one prompt, 30.8 against 14.9 for 16), while neither drafted.
-Each repeat adds C prompts to an idle engine, times the step that prefills them (every phase wrapped), and runs them
+On the H200 (session 3, benchmarks/results/h200/gpu-path/2026-11-30-s3) adaptive's prefill steps took 11-16 ms more
+than no-spec's in a sweep. Session 4 (2026-11-30-s4) found that gap to be host contention: with nothing else on the
+host, this script and --sweep-like put adaptive ~1 ms above no-spec (the drafter's eager context write). Each repeat adds C prompts to an idle engine, times the step that prefills them (every phase wrapped), and runs them
 to the end (32 tokens: the next prefill follows a decode run, as in a sweep row). A phase's time includes what it
 waits for on the device.
 """
@@ -40,10 +40,14 @@ def wrap(obj: object, name: str, acc: collections.Counter[str], label: str) -> N
     setattr(obj, name, timed)
 
 
-def trace_step(engine: Any, prompts: list[str], params: SamplingParams, concurrency: int, name: str) -> None:
-    """One more prefill step under torch.profiler: the host ops and device kernels that take its time."""
+def trace_step(
+    engine: Any, prompts: list[str], params: SamplingParams, concurrency: int, name: str, first: int
+) -> None:
+    """One more prefill step under torch.profiler: the host ops and device kernels that take its time. Prompts from
+    `first` on, past those the repeats used: a prompt seen before hits the prefix cache, and its "prefill" is a
+    one-token graph replay (session 4's first trace was one)."""
     for i in range(concurrency):
-        engine.add_request(prompts[i % len(prompts)], params)
+        engine.add_request(prompts[(first + i) % len(prompts)], params)
     torch.cuda.synchronize()
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -106,7 +110,7 @@ def profile(
             engine.step()
         assert not any(rid in engine._tracked for rid in ids)
         if trace and r == repeats + 1:  # after the last repeat, one more under torch.profiler
-            trace_step(engine, prompts, params, concurrency, name)
+            trace_step(engine, prompts, params, concurrency, name, (repeats + 2) * concurrency)
         if r >= 2:
             steps.append(ms)
             for k, v in prefill_phases.items():

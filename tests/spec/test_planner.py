@@ -350,16 +350,20 @@ def test_the_engine_prepares_each_drafting_steps_budget_and_plans_the_same(
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 9, 14, 6, 11, 8)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    runs = []
-    for prepare in (True, False):
-        llm = LLM(
+
+    def engine(spec: dict[str, object]) -> LLM:
+        return LLM(
             model=str(model),
             dtype="float32",
             max_model_len=256,
             num_kv_blocks=128,
             cost_model=cost,
-            speculative_config={"method": "dspark", "model": drafter, "num_speculative_tokens": 4},
+            speculative_config=spec,
         )
+
+    runs = []
+    for prepare in (True, False):
+        llm = engine({"method": "dspark", "model": drafter, "num_speculative_tokens": 4})
         planner = llm.engine.planner
         assert planner is not None and planner.mode == "async"
         planner.should_draft = lambda request_ids: True  # type: ignore[method-assign]
@@ -371,16 +375,11 @@ def test_the_engine_prepares_each_drafting_steps_budget_and_plans_the_same(
         runs.append((outs, planner.sum_budget, planner.num_planned_steps, list(planner.verify_len_hist)))
         if prepare:
             assert planner.num_prepared_budgets > 0.5 * planner.num_planned_steps
+    # the budgets bit: some drafts verified, not all of them (else any budget would give the same plans)
+    assert 0 < runs[0][1] < 4 * len(prompts) * runs[0][2]
     assert runs[0] == runs[1]
     # n-gram drafts are on the host at once: nothing to overlap, so nothing is prepared (plan chooses as before)
-    ngram = LLM(
-        model=str(model),
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=128,
-        cost_model=cost,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
-    )
+    ngram = engine({"method": "ngram", "num_speculative_tokens": 4})
     planner = ngram.engine.planner
     assert planner is not None
     planner.should_draft = lambda request_ids: True  # type: ignore[method-assign]

@@ -134,8 +134,9 @@ def test_a_new_load_level_starts_from_a_lower_level_where_plain_won() -> None:
 def test_a_level_following_its_neighbours_verdict_explores_at_its_neighbours_spacing() -> None:
     """A new level that starts plain from a lower level where plain won does not explore drafting after the first few
     steps, as a level with nothing to go on does: a burst there costs what it costs at the neighbour, so it comes no
-    sooner than the neighbour's spacing (on the H200 with pipelined plain steps, a new level's early bursts took ~10%
-    of a 256-step row). It is still explored, later."""
+    sooner than the neighbour's next burst, here its spacing (its period is shorter; the next test has a longer one) (on
+    the H200 with pipelined plain steps, a new level's early bursts took ~10% of a 256-step row). It is still explored,
+    later."""
     chooser = RegimeChooser()
     _run(chooser, 400, model_says=True, spec_rate=0.3, plain_rate=1.0)  # level of 16 requests: plain 3x faster
     level = chooser.levels[chooser.level(16)]
