@@ -52,20 +52,33 @@ def wrap(obj: object, name: str, label: str, acc: collections.Counter[str]) -> N
     setattr(obj, name, timed)
 
 
-def profile(name: str, device: str, concurrency: int, steps: int, cprofile: int = 0) -> dict[str, Any]:
-    # A fixed KV cache: engines built one after another in one process must not size it from memory still held.
+def profile(
+    name: str,
+    device: str,
+    concurrency: int,
+    steps: int,
+    cprofile: int = 0,
+    max_num_batched_tokens: int = 8192,
+    output_kind: str = "final_only",
+) -> dict[str, Any]:
+    # A fixed KV cache: engines built one after another in one process must not size it from memory still held. It
+    # holds every request's whole life (prompt, steps * 8 + 64 tokens, the drafter's lookahead) with room to spare.
+    # NOTE: the sweep's settings (bench sweep: 8192 batched tokens, final_only outputs). Session 4 profiled with the
+    # default 2048 tokens, which let only 256 drafting requests (8 tokens each) into a step at C = 1024, and streamed
+    # outputs, whose per-request objects were most of a no-spec step's host time at C = 1024 (17 of 27 ms).
     llm = LLM(
         device=device,
         max_num_seqs=max(concurrency, 16),
         max_model_len=2048,
-        num_kv_blocks=8192,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_kv_blocks=max(8192, concurrency * (steps * 8 + 128) // 16 + 256),
         speculative_config=CONFIGS[name],
     )
     engine = llm.engine
     if name == "adaptive-drafting":
         assert engine.planner is not None
         engine.planner.regime.choose = lambda num_requests, model_says_draft: True  # type: ignore[method-assign]
-    params = SamplingParams(temperature=0.0, max_tokens=steps * 8 + 64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps * 8 + 64, ignore_eos=True, output_kind=output_kind)
     for i in range(concurrency):
         engine.add_request(f"Question {i}: explain how a bicycle stays upright.", params)
     for _ in range(12):  # prefill and the first decode steps
@@ -133,6 +146,9 @@ def profile(name: str, device: str, concurrency: int, steps: int, cprofile: int 
     # the rest of step(): bookkeeping, drafting's own (plan.* sit inside planner.plan)
     phases["other"] = wall / steps * 1e3 - sum(v for k, v in phases.items() if not k.startswith("plan."))
     row = {"config": name, "concurrency": concurrency, "step_ms": wall / steps * 1e3, "tokens_per_s": tokens / wall}
+    # requests in the timed steps (a row whose KV cache or token budget held requests back shows it here)
+    row["num_running"] = len(engine.scheduler.running)
+    row["max_num_batched_tokens"], row["output_kind"] = max_num_batched_tokens, output_kind
     row["eager_steps"] = dict(eager)
     row["steps_by_kind"] = {k: {"count": len(v), "median_ms": statistics.median(v)} for k, v in by_kind.items()}
     for fn, original in PLAN_PARTS.items():  # unwrapped again for the next engine
@@ -153,15 +169,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--output", default=None)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the top N host functions")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--output-kind", default="final_only", choices=["final_only", "cumulative"])
     args = parser.parse_args()
     rows = []
     for name in args.config:
         for c in args.concurrency:
-            row = profile(name, args.device, c, args.steps, args.cprofile)
+            row = profile(
+                name, args.device, c, args.steps, args.cprofile, args.max_num_batched_tokens, args.output_kind
+            )
             rows.append(row)
             phases = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
             kinds = ", ".join(f"{k} {v['count']}x {v['median_ms']:.2f}" for k, v in row["steps_by_kind"].items())
-            print(f"{name} C={c}: {row['step_ms']:.2f} ms/step, {row['tokens_per_s']:.0f} tok/s | {phases}", flush=True)
+            print(
+                f"{name} C={c} ({row['num_running']} running): {row['step_ms']:.2f} ms/step, "
+                f"{row['tokens_per_s']:.0f} tok/s | {phases}",
+                flush=True,
+            )
             print(f"{name} C={c}: median step by kind: {kinds}; eager steps {row['eager_steps']}", flush=True)
     if args.output:
         with open(args.output, "w") as f:
