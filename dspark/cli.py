@@ -141,6 +141,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: bool = Tru
         help="auto: Triton on CUDA, the torch reference on CPU (default: %(default)s)",
     )
     g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a token's logits never depend on its batch: greedy output with speculation equals output without it "
+        "bit for bit (bf16 too); CUDA steps get slower (fixed-tile GEMMs, no key splits)",
+    )
+    g.add_argument(
         "--speculative-config",
         metavar="JSON",
         help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '

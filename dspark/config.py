@@ -225,6 +225,12 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # auto: Triton on CUDA (when triton is installed), the torch reference elsewhere
     attention_backend: str = "auto"
+    # A token's logits never depend on the batch around it (how many requests, how many drafts): greedy output with
+    # speculation then equals output without it bit for bit in bf16 too, and a seeded request gives the same tokens
+    # in any batch. CUDA: every GEMM through one fixed-tile Triton kernel and attention without key splits (slower
+    # steps); CPU: always so (row padding, worker/numerics.py). vLLM's VLLM_BATCH_INVARIANT, SGLang's
+    # --enable-deterministic-inference.
+    batch_invariant: bool = False
     seed: int = 0
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None  # a dict is parsed into SpeculativeConfig
 
@@ -246,6 +252,7 @@ class EngineConfig:
         _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enforce_eager", self.enforce_eager)
+        _check_bool("batch_invariant", self.batch_invariant)
         if self.async_scheduling is not None:
             _check_bool("async_scheduling", self.async_scheduling)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

@@ -10,6 +10,8 @@
 #   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1 and 16, async and sync
 #                 (prefill_profile.py) on the last GPU; the GPU tests on GPU 0.
 #   PHASE=plan   : planning's share of a drafting step at C = 256 and 1024 (step_profile.py adaptive-drafting).
+#   PHASE=invariant: batch_invariant mode (--batch-invariant): no-spec, fixed-7 and adaptive at C = 1, 16, 256 (T = 0,
+#                 greedy identity with no-spec per row), then no-spec without it at the same C: the mode's cost.
 #   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
 #   PHASE=sweep : the full sweep, one temperature per GPU (T = 0 on GPU 0, T = 1 on the last), with the hf arm.
 #   PHASE=serve : issue 7 on the GPU: `dspark serve` per arm (no-spec, fixed-7, adaptive) on GPU 0, loaded by
@@ -103,6 +105,16 @@ elif [ "$PHASE" = plan ]; then
   # drafting); plan.choose_budget and plan.allocate are timed on their own. Nothing else runs.
   on 0 170 python benchmarks/gpu/step_profile.py --device cuda --concurrency 256 1024 --config adaptive-drafting \
     no-spec --steps 20 --output "$OUT/step-profile-plan.json" 2>&1 | quiet | grep -v "^ *$" | tail -12
+elif [ "$PHASE" = invariant ]; then
+  for mode in invariant default; do
+    flag=$([ "$mode" = invariant ] && echo "--batch-invariant"); arms=$([ "$mode" = invariant ] \
+      && echo "--arm no-spec --arm fixed-7 --arm adaptive" || echo "--arm no-spec")
+    on 0 "${INVARIANT_S:-280}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" $arms $flag \
+      --concurrency 1 16 256 --temperature 0 --output-len 256 --waves 1 --max-num-batched-tokens 8192 \
+      --gpu-memory-utilization 0.6 --data-dir "$DATA" --output-json "$OUT/invariant-$mode.json" \
+      --output-md "$OUT/invariant-$mode.md" 2>&1 | quiet > "$OUT/invariant-$mode.log"
+  done
+  cat "$OUT"/invariant-*.md
 elif [ "$PHASE" = attention ]; then
   on 0 120 python benchmarks/gpu/bench_attention.py --output "$OUT/attention.json" 2>&1 | quiet
   on 0 150 python -m dspark profile --device cuda --speculative-config "$SPEC" \

@@ -25,6 +25,7 @@ from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dspark.spec.cost_model import CostModel
 from dspark.spec.drafter import make_drafter
 from dspark.spec.dspark.model import DSparkModel
+from dspark.spec.kernels import triton_available
 from dspark.spec.planner import VerificationPlanner
 from dspark.spec.trace import TraceWriter
 from dspark.tokenizer import load_tokenizer
@@ -111,6 +112,15 @@ class LLMEngine:
         self.model = load_model(path, self.dtype, self.device)
         if self.device.type == "cuda":  # one GEMM for q/k/v and one for gate/up (the CUDA path's fused kernels)
             self.model.fuse_weights()
+            if config.batch_invariant:
+                if not triton_available() or config.attention_backend == "torch":
+                    raise ConfigError(
+                        "batch_invariant",
+                        True,
+                        "on CUDA it needs Triton and attention_backend auto or triton (its kernels are what make a "
+                        "row independent of its batch)",
+                    )
+                self.model.use_batch_invariant_gemms()
         self.model_config = self.model.config
         mcfg = self.model_config
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
@@ -234,6 +244,8 @@ class LLMEngine:
                 "dtype": str(self.dtype),
                 "max_model_len": self.max_model_len,
             }
+            if self.config.batch_invariant and self.device.type == "cuda":  # other kernels, other step costs
+                identity["batch_invariant"] = True
             cost_model = load_or_profile(
                 self.runner,
                 self.num_spec_tokens,

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.models import fused_ops
 from dspark.models.config import ModelConfig
+from dspark.models.invariant_gemm import linear
 from dspark.worker.attention.base import AttentionContext
 
 
@@ -91,6 +91,8 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
 
 
 class Attention(nn.Module):
+    invariant = False  # GEMMs through models/invariant_gemm.py on the fused path (CausalLM.use_batch_invariant_gemms)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -132,7 +134,7 @@ class Attention(nn.Module):
         n, nq, nkv = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv_weight is not None:
             # q, k and v stay strided views of the one GEMM's output: the backend reads rows by stride.
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([nq, nkv, nkv], dim=-1)
+            q, k, v = linear(x, self.qkv_weight, self.qkv_bias, self.invariant).split([nq, nkv, nkv], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -140,10 +142,12 @@ class Attention(nn.Module):
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         fused_ops.rotary_qk(q, k, *rope, norm)  # in place
         o = ctx.backend.forward(q, k, v, ctx.caches[self.layer_idx], ctx.meta, self.scale)
-        return self.o_proj(o.reshape(n, nq))
+        return linear(o.reshape(n, nq), self.o_proj.weight, self.o_proj.bias, self.invariant)
 
 
 class MLP(nn.Module):
+    invariant = False  # as Attention.invariant
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -157,8 +161,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused_ops.enabled(x):
             if self.gate_up_weight is not None:
-                return self.down_proj(fused_ops.silu_mul(F.linear(x, self.gate_up_weight)))
-            return self.down_proj(fused_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+                h = fused_ops.silu_mul(linear(x, self.gate_up_weight, None, self.invariant))
+            else:
+                h = fused_ops.silu_mul(self.gate_proj(x), self.up_proj(x))
+            return linear(h, self.down_proj.weight, None, self.invariant)
         gate = self.gate_proj(x)
         # NOTE: not F.silu: with 5+ threads torch splits its vectorised loop mid-row and a row's bits then depend on
         # the batch size; exp and division stay element-wise exact (tests/worker/test_numerics.py).
@@ -255,6 +261,8 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """The whole target: `forward` gives final hidden states, `compute_logits` the vocabulary scores."""
 
+    invariant = False  # as Attention.invariant, for the logits
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -293,5 +301,14 @@ class CausalLM(nn.Module):
         hidden, taps = decoder_stack(self.model.layers, self.model.norm, x, rope, ctx, tap_layers, on_taps)
         return hidden, torch.cat(taps, dim=-1) if taps and on_taps is None else None
 
+    def use_batch_invariant_gemms(self) -> CausalLM:
+        """Every GEMM of the fused (CUDA) path, logits included, through the batch-invariant kernel
+        (models/invariant_gemm.py): the engine's batch_invariant mode."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.invariant = True
+        self.invariant = True
+        return self
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight, None, self.invariant).float()

@@ -6,6 +6,7 @@ the scheduler and the engine.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -58,14 +59,15 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 GRAPH_MAX_TOKENS = 8192  # steps past this run eagerly: their kernels are long enough that launches no longer matter
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The attention backend for this engine: Triton on CUDA when asked for or by default (auto), else torch."""
+def make_backend(name: str, device: torch.device, invariant: bool = False) -> AttentionBackend:
+    """The attention backend for this engine: Triton on CUDA when asked for or by default (auto), else torch.
+    invariant: the Triton backend's batch-invariant tiling (the torch reference on CPU is invariant as it is)."""
     if name == "triton" or (name == "auto" and device.type == "cuda" and triton_available()):
         if device.type != "cuda":
             raise ConfigError("attention_backend", name, "triton needs a CUDA device; use auto or torch here")
         from dspark.worker.attention.triton_backend import TritonAttention
 
-        return TritonAttention()
+        return TritonAttention(invariant=invariant)
     return TorchAttention()
 
 
@@ -94,7 +96,7 @@ class ModelRunner:
             KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
-        self.backend = make_backend(config.attention_backend, device)
+        self.backend = make_backend(config.attention_backend, device, config.batch_invariant)
         self.sampler = Sampler()
         self.drafter = drafter
         self.verify_method = verify_method
@@ -106,7 +108,7 @@ class ModelRunner:
             self.graphs = GraphRunner(
                 model,
                 self.kv_caches,
-                TritonAttention,
+                functools.partial(TritonAttention, invariant=config.batch_invariant),
                 config.max_num_seqs,
                 min(config.max_num_batched_tokens, GRAPH_MAX_TOKENS),
                 (1, num_spec_tokens + 1) if num_spec_tokens else (1,),

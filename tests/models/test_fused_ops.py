@@ -26,7 +26,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM, RMSNorm, Rotary, apply_rotary
 from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache
 from dspark.worker.attention.torch_ref import TorchAttention
-from helpers import case_verdicts, interpreted_verdicts
+from helpers import case_verdicts, interpreted_verdicts, patch_triton_interpreter
 
 REPO = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -329,37 +329,10 @@ CASES: dict[str, Callable[[torch.device], None]] = {
 # ---- CPU: the Triton interpreter, in a subprocess -------------------------------------------------------------------
 
 
-def _patch_interpreter() -> None:
-    """Work around a bug of the Triton 3.6 interpreter (not of the compiled kernels); test process only.
-
-    fp32 -> bf16 casts truncate (the cast passes no rounding mode, and the interpreter's round-to-nearest does not
-    carry into the exponent): round to nearest even instead, as the GPU's cvt.rn.bf16.f32 does. Our kernels ask for
-    no other rounding mode. Skipped if the interpreter's internals moved (a remaining bug then shows as a failing case).
-    """
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    convert = getattr(interpreter, "_convert_float", None)
-    if convert is None:
-        return
-
-    def convert_rne(data: np.ndarray, src: object, dst: object, rounding_mode: object) -> np.ndarray:
-        if src != tl.float32 or dst != tl.bfloat16:
-            return convert(data, src, dst, rounding_mode)
-        bits = np.ascontiguousarray(data).view(np.uint32)
-        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(
-            np.uint16
-        )
-        return np.where(np.isnan(bits.view(np.float32)), np.uint16(0x7FC0), rounded)
-
-    interpreter._convert_float = convert_rne
-
-
 def _run_interpreted(names: list[str]) -> dict[str, str]:
     """In the subprocess: each case's verdict, "ok" or the failure."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _patch_interpreter()
+    patch_triton_interpreter()
     torch.set_num_threads(1)  # the machine's cores are shared; these shapes are tiny
     return case_verdicts(lambda name: CASES[name](torch.device("cpu")), names)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import case_verdicts, interpreted_verdicts
+from helpers import case_verdicts, interpreted_verdicts, patch_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -242,44 +242,10 @@ def check_case(case: Case, device: torch.device) -> None:
 # ---- CPU: the Triton interpreter, in a subprocess ------------------------------------------------------------------
 
 
-def _patch_interpreter() -> None:
-    """Work around two bugs of the Triton 3.6 interpreter (not of the compiled kernels); test process only.
-
-    - tl.dot multiplies bfloat16 operands as their raw uint16 bits: widen them to fp32 first (exact).
-    - with NumPy >= 2.4, a loop bound loaded from memory (a 1-element array) cannot be used by range().
-
-    Both patches stay correct once the bugs are fixed; they are skipped if the interpreter's internals moved (a
-    remaining bug then shows as a failing case, not as a wrong pass).
-    """
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    create_dot = getattr(getattr(interpreter, "InterpreterBuilder", None), "create_dot", None)
-    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-    if create_dot is None or patch_tensor is None:
-        return
-
-    def widen(x: interpreter.TensorHandle) -> interpreter.TensorHandle:
-        if x.dtype.scalar != tl.bfloat16:
-            return x
-        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def dot(self: object, a: interpreter.TensorHandle, b: interpreter.TensorHandle, *args: object) -> object:
-        return create_dot(self, widen(a), widen(b), *args)
-
-    def patch_tensor_index(tensor: type, scope: interpreter._LangPatchScope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter.InterpreterBuilder.create_dot = dot
-    interpreter._patch_lang_tensor = patch_tensor_index
-
-
 def _run_interpreted(names: list[str]) -> dict[str, str]:
     """In the subprocess: each case's verdict, "ok" or the failure."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _patch_interpreter()
+    patch_triton_interpreter()
     return case_verdicts(lambda name: check_case(CASES_BY_NAME[name], torch.device("cpu")), names)
 
 

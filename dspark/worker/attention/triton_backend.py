@@ -78,9 +78,17 @@ def tile_config(rows: int, head_dim: int) -> tuple[int, int]:
 class TritonAttention:
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None) -> None:
-        """num_splits: force the number of key splits (tests, benchmarks); None chooses it from the launch shape."""
+    def __init__(self, num_splits: int | None = None, invariant: bool = False) -> None:
+        """num_splits: force the number of key splits (tests, benchmarks); None chooses it from the launch shape.
+
+        invariant: a query row's bits never depend on the step around it (the engine's batch_invariant mode). The
+        tile shape and the key splits are what vary with the step: here rows per program, keys per tile and warps are
+        fixed, and keys are not split. A row then walks its keys in tiles aligned at multiples of BLOCK_N from 0,
+        whether it is decoded alone, verified with drafts or batched with others: keys past its position add exact
+        zeros (masked), so the same products are summed in the same order. The cost: no split-KV (a small batch with
+        long contexts leaves SMs idle) and 16-row programs for prompt chunks too."""
         self._force_splits = num_splits
+        self.invariant = invariant
         self._meta: AttentionMetadata | None = None
         self._plan = torch.empty(2, 0, dtype=torch.int32)
         self._partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -101,6 +109,8 @@ class TritonAttention:
         # Rows are (token, head-in-group) pairs: a decode of SmolLM2 (group 3) fills 3 of 16 rows, a verification of
         # 8 tokens 24 of 32; longer queries take MAX_ROWS // group tokens per block.
         rows = triton.next_power_of_2(max(16, min(meta.max_query_len * group, MAX_ROWS), group))
+        if self.invariant:
+            rows = triton.next_power_of_2(max(16, group))
         self._rows, self._block_m = rows, rows // group
         num_programs = triton.cdiv(num_tokens, self._block_m) + num_reqs
 
@@ -115,7 +125,9 @@ class TritonAttention:
         self._plan = torch.stack([req, program - first_block.index_select(0, req)])
 
         busy = max(num_reqs, triton.cdiv(num_tokens, self._block_m)) * num_kv_heads  # programs with real work
-        if self._force_splits is not None:
+        if self.invariant:
+            self._num_splits = 1
+        elif self._force_splits is not None:
             self._num_splits = self._force_splits
         else:
             self._num_splits = choose_num_splits(busy, meta.max_seq_len, _num_sms(device))
