@@ -108,7 +108,7 @@ elif [ "$PHASE" = plan ]; then
 elif [ "$PHASE" = invariant ]; then
   for mode in invariant default; do
     flag=$([ "$mode" = invariant ] && echo "--batch-invariant"); arms=$([ "$mode" = invariant ] \
-      && echo "--arm no-spec --arm fixed-7 --arm adaptive" || echo "--arm no-spec")
+      && echo "${INVARIANT_ARMS:---arm no-spec --arm fixed-7 --arm adaptive}" || echo "--arm no-spec")
     on 0 "${INVARIANT_S:-280}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" $arms $flag \
       --concurrency 1 16 256 --temperature 0 --output-len 256 --waves 1 --max-num-batched-tokens 8192 \
       --gpu-memory-utilization 0.6 --data-dir "$DATA" --output-json "$OUT/invariant-$mode.json" \

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.worker.sampler import Sampler, inverse_cdf, uniform
+from dspark.worker.sampler import Sampler, inverse_cdf, uniform, uniforms
 from dspark.worker.transfer import download, upload
 
 METHODS = ("probabilistic", "strict")
@@ -62,21 +62,22 @@ def verify(
     # NOTE: everything a row's decisions read is computed up front in batched kernels and reaches the host in one
     # copy: the argmax of every row, the token plain sampling would draw at every row (strict verification and the
     # bonus), and p(x), q(x) of every draft. Only the residual draws of rejected drafts need a second copy.
-    t_index, d_index, tokens, plain_us = [], [], [], []
+    t_index, d_index, tokens, seeds, counters = [], [], [], [], []
     t_row = d_row = 0
     for r in rows:
         t_index += range(t_row, t_row + len(r.draft_tokens))
         d_index += range(d_row, d_row + len(r.draft_tokens))
         tokens += r.draft_tokens
-        plain_us += [0.0 if r.greedy else uniform(r.seed, r.first_counter + k) for k in range(len(r.draft_tokens) + 1)]
+        seeds += [r.seed] * (len(r.draft_tokens) + 1)
+        counters += range(r.first_counter, r.first_counter + len(r.draft_tokens) + 1)
         t_row += len(r.draft_tokens) + 1
         d_row += len(r.draft_tokens)
     dev = target_probs.device
     needed = [target_probs.argmax(dim=-1)]
     # On CPU there is no sync to save: plain draws are made lazily, only for the rows a decision reaches.
     batched = not all(r.greedy for r in rows) and dev.type != "cpu"
-    if batched:
-        needed.append(_SAMPLER.draw(target_probs, plain_us))
+    if batched:  # every row's plain draw (greedy rows' too: they read the argmax instead)
+        needed.append(_SAMPLER.draw(target_probs, uniforms(seeds, counters)))
     probabilistic = method == "probabilistic" and bool(tokens) and draft_probs is not None
     if probabilistic:
         x = upload(tokens, torch.int64, dev)
@@ -87,7 +88,9 @@ def verify(
     plain_host = host[1] if batched else None
 
     def plain(row: int) -> int:
-        return plain_host[row] if plain_host is not None else inverse_cdf(target_probs[row], plain_us[row])
+        if plain_host is not None:
+            return plain_host[row]
+        return inverse_cdf(target_probs[row], uniform(seeds[row], counters[row]))
 
     p_at, q_at = (host[-2], host[-1]) if probabilistic else ([], [])
 
@@ -141,5 +144,5 @@ def _residuals(
     # p == q: a rejection has probability 0; guard the rounding case by drawing from p itself.
     empty = residual.sum(dim=-1, keepdim=True) <= 0.0
     residual = torch.where(empty, p[t_rows].double(), residual)
-    us = [uniform(seeds[i], n, RESIDUAL_STREAM) for i, _, _, n in rejected]
+    us = uniforms([seeds[i] for i, *_ in rejected], [n for *_, n in rejected], RESIDUAL_STREAM)
     return download(_SAMPLER.draw(residual, us))[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.worker.sampler import Sampler, SamplingRow, _apply_penalties, mix_seed
+from dspark.worker.sampler import Sampler, SamplingRow, _apply_penalties, mix_seed, uniform, uniforms
 
 # Chi-square critical values at significance 1e-3 for 1..7 degrees of freedom. Draws are seeded, so a test that
 # passes once passes always; the level only bounds how unlucky a correct sampler could have been.
@@ -283,3 +283,27 @@ def test_batched_inverse_cdf_equals_the_row_by_row_draw() -> None:
     assert got == want
     assert len(set(got)) > 20  # not vacuous: the rows drew many different tokens
     assert all(probs[i, t] > 0 for i, t in enumerate(got))
+
+
+def test_vectorised_uniforms_have_the_scalar_bits() -> None:
+    """uniforms() is uniform() over arrays, bit for bit, on every stream: extreme seeds (0, 2**63 - 1), counters past
+    2**32, and the draft stream's [R, k] layout; a sampled row draws the same token either way."""
+    import random
+
+    from dspark.spec.dspark.markov import DRAFT_STREAM, DraftRow, draft_uniforms
+
+    rng = random.Random(0)
+    seeds = [0, 1, 2**63 - 1, 2**62 + 12345] + [rng.getrandbits(63) for _ in range(200)]
+    counters = [0, 2**40 + 7, 1, 255] + [rng.randrange(0, 1 << 20) for _ in range(200)]
+    for stream in (0, 1, 2, DRAFT_STREAM):
+        got = uniforms(seeds, counters, stream).tolist()
+        assert got == [uniform(s, c, stream) for s, c in zip(seeds, counters, strict=True)], stream
+    assert uniforms([], []).shape == (0,)
+    rows = [DraftRow(s, c, 1.0, False) for s, c in zip(seeds[:5], counters[:5], strict=True)]
+    block = draft_uniforms(rows, 7)
+    assert block.shape == (5, 7)
+    assert block.tolist() == [[uniform(r.seed, r.first_counter + j, DRAFT_STREAM) for j in range(7)] for r in rows]
+    probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(1)), dim=-1)
+    sampler = Sampler()
+    us = uniforms(seeds[:3], counters[:3])
+    assert sampler.draw(probs, us).tolist() == sampler.draw(probs, us.tolist()).tolist()

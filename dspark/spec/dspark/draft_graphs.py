@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dspark.spec.dspark.markov import DRAFT_STREAM, DraftRow
+from dspark.spec.dspark.markov import DraftRow, draft_uniforms
 from dspark.worker.attention.base import AttentionMetadata
 from dspark.worker.cuda_graphs import capture_sizes
-from dspark.worker.sampler import uniform
 
 if TYPE_CHECKING:
     from dspark.spec.dspark.proposer import DSparkDrafter
@@ -142,9 +141,7 @@ class DraftGraphs:
             h_draw[:r, 0] = [1.0 if row.greedy else row.temperature for row in rows]
             h_draw[:r, 1] = [float(row.greedy) for row in rows]
             if self.drafter.sample:
-                h_draw[:r, 2:] = [
-                    [uniform(row.seed, row.first_counter + j, DRAFT_STREAM) for j in range(self.k)] for row in rows
-                ]
+                h_draw[:r, 2:] = draft_uniforms(rows, self.k)
         width = max(widths)
         self.d_int.copy_(self.h_int, non_blocking=True)
         self.d_meta[: off + rr].copy_(self.h_meta[: off + rr], non_blocking=True)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from dspark.spec.dspark.confidence import ConfidenceHead
-from dspark.worker.sampler import inverse_cdf_rows, uniform
+from dspark.worker.sampler import inverse_cdf_rows, uniforms
 from dspark.worker.transfer import upload, upload_tensor
 
 DRAFT_STREAM = 3  # the counter-based stream drafts are sampled from (0-2 belong to sampling and verification)
@@ -62,6 +63,13 @@ def sample_block(
     return sample_block_with(base_logits, h, anchors, head, confidence, temps, greedy, u_all)
 
 
+def draft_uniforms(rows: list[DraftRow], k: int) -> np.ndarray:
+    """[R, k] float64: the uniform of each row's j-th draft, uniform(seed, first_counter + j, DRAFT_STREAM)."""
+    seeds = np.repeat(np.array([r.seed for r in rows], dtype=np.uint64), k)
+    counters = (np.array([r.first_counter for r in rows], dtype=np.int64)[:, None] + np.arange(k)).reshape(-1)
+    return uniforms(seeds, counters, DRAFT_STREAM).reshape(len(rows), k)
+
+
 def draw_inputs(
     rows: list[DraftRow], k: int, sample: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -71,8 +79,8 @@ def draw_inputs(
     greedy = upload([r.greedy for r in rows], torch.bool, device)
     u_all = None
     if sample:
-        u = [[uniform(r.seed, r.first_counter + j, DRAFT_STREAM) for j in range(k)] for r in rows]
-        u_all = upload_tensor(torch.tensor(u, dtype=torch.float64), device)
+        u = draft_uniforms(rows, k)
+        u_all = upload_tensor(torch.from_numpy(u), device)
     return temps, greedy, u_all
 
 
