@@ -4,7 +4,9 @@
 
 On the H200 (session 3, benchmarks/results/h200/gpu-path/2026-11-30-s3) adaptive's prefill steps took 11-16 ms more
 than no-spec's in a sweep. Session 4 (2026-11-30-s4) found that gap to be host contention: with nothing else on the
-host, this script and --sweep-like put adaptive ~1 ms above no-spec (the drafter's eager context write). Each repeat adds C prompts to an idle engine, times the step that prefills them (every phase wrapped), and runs them
+host, this script and --sweep-like put adaptive ~1 ms above no-spec (the drafter's eager context write).
+
+Each repeat adds C prompts to an idle engine, times the step that prefills them (every phase wrapped), and runs them
 to the end (32 tokens: the next prefill follows a decode run, as in a sweep row). A phase's time includes what it
 waits for on the device.
 """
