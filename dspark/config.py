@@ -225,9 +225,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # auto: Triton on CUDA (when triton is installed), the torch reference elsewhere
     attention_backend: str = "auto"
-    # A token's logits never depend on the batch around it (how many requests, how many drafts): greedy output with
-    # speculation then equals output without it bit for bit in bf16 too, and a seeded request gives the same tokens
-    # in any batch. CUDA: every GEMM through one fixed-tile Triton kernel and attention without key splits (slower
+    # A token's target logits never depend on the batch around it (how many requests, how many drafts): greedy output
+    # with speculation then equals output without it bit for bit in bf16 too, and without speculation (or greedy, or
+    # n-gram's strict verification) a seeded request gives the same tokens in any batch. Sampled DSpark drafts are not
+    # batch-invariant (the drafter's kernels are the default ones), so rejection sampling's outputs are equal in
+    # distribution only. CUDA: every GEMM through one fixed-tile Triton kernel and attention without key splits (slower
     # steps); CPU: always so (row padding, worker/numerics.py). vLLM's VLLM_BATCH_INVARIANT, SGLang's
     # --enable-deterministic-inference.
     batch_invariant: bool = False

@@ -83,14 +83,15 @@ def _meta(q_lens: list[int], seq_lens: list[int], tables: list[list[int]], devic
 
 
 def check_attention(dtype: torch.dtype, device: torch.device) -> None:
-    """Request A's query rows at positions 250..257 (across a 128-key tile and a 16-slot block): verified together
-    (8 query tokens), decoded one at a time, and decoded beside five other requests of other lengths, give the same
-    bits; and agree with the torch reference."""
+    """Request A's query rows at positions 252..259 (across a 128-key tile and a 16-slot block; the verification's
+    second query block starts past the tile boundary, so without ALL_MASKED a tile would be unmasked for a row decoded
+    alone and masked for it verified): verified together (8 query tokens), decoded one at a time, and decoded beside
+    five other requests of other lengths, give the same bits; and agree with the torch reference."""
     from dspark.worker.attention.torch_ref import TorchAttention
     from dspark.worker.attention.triton_backend import TritonAttention
 
     g = torch.Generator().manual_seed(1)
-    lens = {"A": 258, "B": 40, "C": 700, "D": 1, "E": 129, "F": 333}
+    lens = {"A": 260, "B": 40, "C": 700, "D": 1, "E": 129, "F": 333}
     blocks_of: dict[str, list[int]] = {}
     perm = torch.randperm(sum(-(-n // BLOCK_SIZE) for n in lens.values()) + 4, generator=g).tolist()
     for name, n in lens.items():
@@ -113,15 +114,15 @@ def check_attention(dtype: torch.dtype, device: torch.device) -> None:
         return backend.forward(q, k, v, cache, meta, scale)  # type: ignore[attr-defined]
 
     invariant = lambda: TritonAttention(invariant=True)  # noqa: E731
-    verified = run(invariant, [("A", 250, 8)])
+    verified = run(invariant, [("A", 252, 8)])
     for j in range(8):
-        alone = run(invariant, [("A", 250 + j, 1)])
-        among = run(invariant, [("B", 39, 1), ("C", 690, 10), ("A", 250 + j, 1), ("D", 0, 1), ("E", 128, 1)])
+        alone = run(invariant, [("A", 252 + j, 1)])
+        among = run(invariant, [("B", 39, 1), ("C", 690, 10), ("A", 252 + j, 1), ("D", 0, 1), ("E", 128, 1)])
         assert torch.equal(alone[0], verified[j]), f"row {j}: decoded alone != verified with 7 others"
         assert torch.equal(among[11], verified[j]), f"row {j}: decoded in a batch != verified"
-    batch = [("F", 300, 33), ("A", 250, 8), ("C", 0, 700)]  # prompt chunks beside it
+    batch = [("F", 300, 33), ("A", 252, 8), ("C", 0, 700)]  # prompt chunks beside it
     assert torch.equal(run(invariant, batch)[33:41], verified), "verified beside prompt chunks != alone"
-    reference = run(TorchAttention, [("A", 250, 8)])
+    reference = run(TorchAttention, [("A", 252, 8)])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(verified.float(), reference.float(), rtol=tol, atol=tol)
 

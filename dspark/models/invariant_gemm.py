@@ -3,7 +3,8 @@
 cuBLAS picks its kernel (tile shape, split-K) from M, N and K, so a row's bits depend on how many rows share the
 GEMM: a token verified with 7 drafts, decoded alone, or decoded beside 255 others can get different logits, and in
 bf16 an argmax near a tie can flip. That breaks "greedy output with speculation equals output without it" (on the
-H200, 15 of 16 requests at C = 1 in session 4) and "a request's output does not depend on its batch".
+H200 in session 4, 1 of 16 greedy requests at C = 1 differed from no-spec) and "a request's output does not depend on
+its batch" (session 5: 4 of 16 requests run alone differed from their batched selves).
 
 Here every call runs one compiled kernel: fixed BLOCK_M x BLOCK_N output tiles, each program walking K in BLOCK_K steps
 from 0 in order, fp32 accumulation, no split-K. Row i's result is the same dot products in the same order whatever M
@@ -56,7 +57,7 @@ def _kernels() -> SimpleNamespace:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # rn * stride_wn passes 2**31 for big vocabularies
         rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for i in range(0, (K + BLOCK_K - 1) // BLOCK_K):
@@ -121,8 +122,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> torch.Tensor:
-    """F.linear, or the batch-invariant GEMM where asked for and on CUDA (CPU matmuls are made invariant by row
-    padding instead: worker/numerics.py)."""
-    if invariant and x.is_cuda:
+    """F.linear, or the batch-invariant GEMM where asked for, on CUDA and for inference (CPU matmuls are made
+    invariant by row padding instead: worker/numerics.py; the kernel has no backward, so training through the
+    target, as drafter training does, takes F.linear)."""
+    if invariant and x.is_cuda and not torch.is_grad_enabled():
         return invariant_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -136,7 +136,7 @@ class Attention(nn.Module):
             # q, k and v stay strided views of the one GEMM's output: the backend reads rows by stride.
             q, k, v = linear(x, self.qkv_weight, self.qkv_bias, self.invariant).split([nq, nkv, nkv], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (linear(x, p.weight, p.bias, self.invariant) for p in (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(n, self.num_heads, self.head_dim)
         k, v = k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim)
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
@@ -163,7 +163,8 @@ class MLP(nn.Module):
             if self.gate_up_weight is not None:
                 h = fused_ops.silu_mul(linear(x, self.gate_up_weight, None, self.invariant))
             else:
-                h = fused_ops.silu_mul(self.gate_proj(x), self.up_proj(x))
+                gate, up = (linear(x, p.weight, None, self.invariant) for p in (self.gate_proj, self.up_proj))
+                h = fused_ops.silu_mul(gate, up)
             return linear(h, self.down_proj.weight, None, self.invariant)
         gate = self.gate_proj(x)
         # NOTE: not F.silu: with 5+ threads torch splits its vectorised loop mid-row and a row's bits then depend on
@@ -310,5 +311,7 @@ class CausalLM(nn.Module):
         self.invariant = True
         return self
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        return linear(hidden, self.lm_head.weight, None, self.invariant).float()
+    def compute_logits(self, hidden: torch.Tensor, invariant: bool | None = None) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] fp32. invariant: override the model's setting (a drafter's logits need not be
+        batch-invariant: its drafts never change a greedy output)."""
+        return linear(hidden, self.lm_head.weight, None, self.invariant if invariant is None else invariant).float()

@@ -230,13 +230,15 @@ def _mix_seeds(seed: np.ndarray, counter: np.ndarray) -> np.ndarray:
     return (z ^ (z >> _U64(31))) & _U64((1 << 63) - 1)
 
 
-def uniforms(seeds: Sequence[int], counters: Sequence[int], stream: int = 0) -> np.ndarray:
+def uniforms(seeds: Sequence[int] | np.ndarray, counters: Sequence[int] | np.ndarray, stream: int = 0) -> np.ndarray:
     """uniform(seeds[i], counters[i], stream) for every i at once ([n] float64, the same bits).
 
     NOTE: per request and step the scalar version costs ~0.6 us of Python big-int arithmetic; a T = 1 step at
     C = 256 drew 256 of them, a drafting step K times more."""
-    seed = np.array(seeds, dtype=np.uint64)
-    counter = np.array(counters, dtype=np.uint64)
+    # NOTE: seeds are signed 64-bit (SamplingParams allows -2**63 ..): their two's-complement bits, as the scalar's
+    # & _MASK64 takes them. np.array(-1, dtype=np.uint64) would raise instead.
+    seed = np.asarray(seeds, dtype=np.int64).view(np.uint64)
+    counter = np.asarray(counters, dtype=np.int64).view(np.uint64)
     if stream:
         seed = _mix_seeds(seed ^ _U64(_STREAM_SALT), np.full_like(seed, stream))
     return (_mix_seeds(seed, counter) >> _U64(10)).astype(np.float64) / float(1 << 53)

@@ -286,24 +286,38 @@ def test_batched_inverse_cdf_equals_the_row_by_row_draw() -> None:
 
 
 def test_vectorised_uniforms_have_the_scalar_bits() -> None:
-    """uniforms() is uniform() over arrays, bit for bit, on every stream: extreme seeds (0, 2**63 - 1), counters past
-    2**32, and the draft stream's [R, k] layout; a sampled row draws the same token either way."""
+    """uniforms() is uniform() over arrays, bit for bit, on every stream: extreme and negative seeds, counters past
+    2**32, and the draft stream's [R, k] layout."""
     import random
 
     from dspark.spec.dspark.markov import DRAFT_STREAM, DraftRow, draft_uniforms
 
     rng = random.Random(0)
-    seeds = [0, 1, 2**63 - 1, 2**62 + 12345] + [rng.getrandbits(63) for _ in range(200)]
-    counters = [0, 2**40 + 7, 1, 255] + [rng.randrange(0, 1 << 20) for _ in range(200)]
+    # SamplingParams.seed may be any signed 64-bit value: the scalar takes its two's-complement bits
+    seeds = [0, 1, 2**63 - 1, 2**62 + 12345, -1, -(2**63)] + [rng.getrandbits(64) - 2**63 for _ in range(200)]
+    counters = [0, 2**40 + 7, 1, 255, 3, 2**33] + [rng.randrange(0, 1 << 20) for _ in range(200)]
     for stream in (0, 1, 2, DRAFT_STREAM):
         got = uniforms(seeds, counters, stream).tolist()
         assert got == [uniform(s, c, stream) for s, c in zip(seeds, counters, strict=True)], stream
     assert uniforms([], []).shape == (0,)
-    rows = [DraftRow(s, c, 1.0, False) for s, c in zip(seeds[:5], counters[:5], strict=True)]
+    rows = [DraftRow(s, c, 1.0, False) for s, c in zip(seeds[:8], counters[:8], strict=True)]
     block = draft_uniforms(rows, 7)
-    assert block.shape == (5, 7)
+    assert block.shape == (8, 7)
     assert block.tolist() == [[uniform(r.seed, r.first_counter + j, DRAFT_STREAM) for j in range(7)] for r in rows]
-    probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(1)), dim=-1)
-    sampler = Sampler()
-    us = uniforms(seeds[:3], counters[:3])
-    assert sampler.draw(probs, us).tolist() == sampler.draw(probs, us.tolist()).tolist()
+
+
+def test_negative_seeds_sample_and_verify() -> None:
+    """A negative seed (allowed by SamplingParams) goes through the batched draws: sampling, a rejected draft's
+    residual draw in verification, and the drafter's uniforms."""
+    from dspark.spec.dspark.markov import DraftRow, draft_uniforms
+    from dspark.spec.verify import VerifyRow, verify
+
+    g = torch.Generator().manual_seed(2)
+    p = torch.softmax(torch.randn(2, 30, generator=g), dim=-1)
+    q = torch.softmax(torch.randn(1, 30, generator=g), dim=-1)
+    draft = int(torch.argmin(p[0] / q[0]))  # the draft p likes least against q: most likely rejected
+    out = verify(p, q, [VerifyRow(-1, 0, [draft])], "probabilistic")
+    assert len(out) == 1 and 1 <= len(out[0]) <= 2 and all(0 <= t < 30 for t in out[0])
+    assert draft_uniforms([DraftRow(-(2**63), 0, 1.0, False)], 3).shape == (1, 3)
+    row = SamplingRow(1.0, 0, 1.0, 0.0, seed=-5, counter=0, prompt_token_ids=[], output_token_ids=[])
+    assert 0 <= Sampler().tokens(p[:1], [row]).item() < 30

@@ -65,7 +65,7 @@ def sample_block(
 
 def draft_uniforms(rows: list[DraftRow], k: int) -> np.ndarray:
     """[R, k] float64: the uniform of each row's j-th draft, uniform(seed, first_counter + j, DRAFT_STREAM)."""
-    seeds = np.repeat(np.array([r.seed for r in rows], dtype=np.uint64), k)
+    seeds = np.repeat(np.array([r.seed for r in rows], dtype=np.int64), k)
     counters = (np.array([r.first_counter for r in rows], dtype=np.int64)[:, None] + np.arange(k)).reshape(-1)
     return uniforms(seeds, counters, DRAFT_STREAM).reshape(len(rows), k)
 

@@ -82,11 +82,12 @@ class TritonAttention:
         """num_splits: force the number of key splits (tests, benchmarks); None chooses it from the launch shape.
 
         invariant: a query row's bits never depend on the step around it (the engine's batch_invariant mode). The
-        tile shape and the key splits are what vary with the step: here rows per program, keys per tile and warps are
-        fixed, and keys are not split. A row then walks its keys in tiles aligned at multiples of BLOCK_N from 0,
-        whether it is decoded alone, verified with drafts or batched with others: keys past its position add exact
-        zeros (masked), so the same products are summed in the same order. The cost: no split-KV (a small batch with
-        long contexts leaves SMs idle) and 16-row programs for prompt chunks too."""
+        tile shape, the key splits and which tiles skip the mask are what vary with the step: here rows per program,
+        keys per tile and warps are fixed, keys are not split, and every tile is masked. A row then walks its keys
+        in tiles aligned at multiples of BLOCK_N from 0, whether it is decoded alone, verified with drafts or batched
+        with others: keys past its position add exact zeros, so the same products are summed in the same order. The
+        cost: no split-KV (a small batch with long contexts leaves SMs idle), 16-row programs for prompt chunks too,
+        and a mask on every tile."""
         self._force_splits = num_splits
         self.invariant = invariant
         self._meta: AttentionMetadata | None = None
@@ -177,5 +178,6 @@ class TritonAttention:
             block_n=block_n,
             num_splits=self._num_splits,
             num_warps=num_warps,
+            all_masked=self.invariant,
         )
         return out

@@ -147,6 +147,7 @@ def _attention_kernel(
     NUM_SPLITS: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ALL_MASKED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -195,7 +196,14 @@ def _attention_kernel(
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
     # Whole tiles below shared_end need no mask; only the tail (causal diagonal, last partial tile) pays for one.
-    mid = tl.maximum(lo, tl.minimum(hi, (shared_end // BLOCK_N) * BLOCK_N))
+    # ALL_MASKED (batch-invariant mode): every tile takes the masked path. Which tiles a row sees unmasked depends on
+    # its query block's first position, and the two paths may round differently (the unmasked one lets the compiler
+    # fuse the scale into exp2's argument, an FMA), so the same key tile could give a row other bits decoded alone
+    # than verified with drafts.
+    if ALL_MASKED:
+        mid = lo
+    else:
+        mid = tl.maximum(lo, tl.minimum(hi, (shared_end // BLOCK_N) * BLOCK_N))
 
     table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kv_head * stride_ch
@@ -314,6 +322,7 @@ def paged_attention(
     num_splits: int,
     num_warps: int = 4,
     num_stages: int = 2,
+    all_masked: bool = False,  # every key tile through the masked path (batch-invariant mode)
 ) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -371,6 +380,7 @@ def paged_attention(
         CAUSAL=causal,
         # NOTE: fp32 stays fp32 (no TF32): the fp32 engine is compared with the torch reference token for token.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ALL_MASKED=all_masked,
         num_warps=num_warps,
         num_stages=num_stages,
     )
