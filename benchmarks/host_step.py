@@ -20,7 +20,13 @@ from dspark.worker import model_runner as mr
 
 
 def host_ms(
-    concurrency: int, output_kind: str, thaw: bool, steps: int, spec: bool = False, async_scheduling: bool = False
+    concurrency: int,
+    output_kind: str,
+    thaw: bool,
+    steps: int,
+    spec: bool = False,
+    async_scheduling: bool = False,
+    temperature: float = 1.0,
 ) -> float:
     # spec: an adaptive DSpark engine whose planner always answers "drafting does not pay", i.e. the plain steps of
     # adaptive verification at high load, which should cost what a no-spec step costs.
@@ -44,14 +50,16 @@ def host_ms(
             req = s.request
             ids += req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + s.num_new_tokens]
             mr.slots_for(req.block_ids, req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens, 16)
-        [mr.sampling_row(s.request, [0] if s.continues else None) for s in sched.scheduled]
+        sampling = [s for s in sched.scheduled if s.samples]
+        if not all(mr.plain_greedy(s.request, s.continues) for s in sampling):  # as ModelRunner.launch
+            [mr.sampling_row(s.request, [0] if s.continues else None) for s in sampling]
         # tokens left "on the device" as the real runner leaves them, so that async scheduling can continue the step
         sampling = [s.request.request_id for s in sched.scheduled if s.samples]
         tokens = torch.full((len(sampling),), 100, dtype=torch.int64)
         return mr.Launched(sched, tokens=tokens, download=mr.Download(tokens), request_ids=sampling)
 
     engine.runner.launch = stub  # type: ignore[method-assign]
-    params = SamplingParams(temperature=1.0, max_tokens=steps + 200, ignore_eos=True, output_kind=output_kind)
+    params = SamplingParams(temperature=temperature, max_tokens=steps + 200, ignore_eos=True, output_kind=output_kind)
     for i in range(concurrency):
         engine.add_request([1, 2, 3, 4, 5, 6, 7, 8 + i % 50] * 8, params)
     for _ in range(100):
@@ -74,11 +82,12 @@ def main() -> None:
     parser.add_argument(
         "--async-scheduling", action="store_true", help="with async scheduling (each step continued from the last)"
     )
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy rows (the runner's argmax path)")
     args = parser.parse_args()
     for kind in args.output_kind:
         for thaw in (True, False) if args.thaw else (False,):
             for spec in (False, True) if args.spec else (False,):
-                ms = host_ms(args.concurrency, kind, thaw, args.steps, spec, args.async_scheduling)
+                ms = host_ms(args.concurrency, kind, thaw, args.steps, spec, args.async_scheduling, args.temperature)
                 heap = "unfrozen" if thaw else "frozen"
                 arm = "adaptive (plain steps)" if spec else "no-spec"
                 print(f"{arm} C={args.concurrency} output_kind={kind} GC heap {heap}: {ms:.2f} ms/step", flush=True)

@@ -453,18 +453,19 @@ class LLMEngine:
             if req.status.finished:  # stopped or aborted after its continued step was launched: that token is void
                 continue
             num_live += 1
-            num_emitted += len(result.sampled.get(req.request_id, ()))
+            sampled = result.sampled.get(req.request_id)
             num_rejected = 0
             if s.spec_token_ids:
                 num_rejected = len(s.spec_token_ids) - result.num_accepted[req.request_id]
                 self._count_spec(req, len(s.spec_token_ids), result.num_accepted[req.request_id])
-            req.spec_token_ids = []
+            if req.spec_token_ids:
+                req.spec_token_ids = []
             # Rejected drafts' KV stays where it is, past num_computed_tokens, to be overwritten later.
             req.num_computed_tokens += s.num_new_tokens - num_rejected
-            sampled = result.sampled.get(req.request_id)
             if sampled is None:  # a prompt chunk: its tokens are all known already
                 self.kv.cache_computed_blocks(req)
             else:
+                num_emitted += len(sampled)
                 req.first_token_time = req.first_token_time or now
                 try:
                     out = self._process(req, sampled, now)

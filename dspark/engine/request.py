@@ -20,7 +20,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        # NOTE: _value_, not value: Enum.value is a descriptor call, and this is read a few times per request and step
+        return self._value_ in ("stop", "length", "abort", "error")
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
     def finish_reason(self) -> str | None:

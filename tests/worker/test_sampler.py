@@ -321,3 +321,31 @@ def test_negative_seeds_sample_and_verify() -> None:
     assert draft_uniforms([DraftRow(-(2**63), 0, 1.0, False)], 3).shape == (1, 3)
     row = SamplingRow(1.0, 0, 1.0, 0.0, seed=-5, counter=0, prompt_token_ids=[], output_token_ids=[])
     assert 0 <= Sampler().tokens(p[:1], [row]).item() < 30
+
+
+def test_plain_greedy_implies_the_samplers_argmax_path() -> None:
+    """ModelRunner skips building sampling rows when plain_greedy says the row is a plain argmax: whenever it does, the
+    row sampling_row builds takes Sampler.tokens's argmax path (greedy, nothing banned, no penalties); and it does
+    say so for the common greedy request."""
+    import itertools
+
+    from dspark.config import SamplingParams
+    from dspark.engine.request import Request
+    from dspark.worker.model_runner import plain_greedy, sampling_row
+    from dspark.worker.sampler import _penalised
+
+    said = 0
+    for temp, pen, min_tokens, ignore_eos, stops, num_out, drafts in itertools.product(
+        (0.0, 1e-6, 0.5), (0.0, 0.3), (0, 3), (False, True), ([], [7]), (0, 2, 5), (0, 1)
+    ):
+        params = SamplingParams(
+            temperature=temp, presence_penalty=pen, min_tokens=min_tokens, ignore_eos=ignore_eos, stop_token_ids=stops
+        )
+        req = Request("r", None, [1, 2, 3], params, seed=1, eos_token_id=2)
+        req.all_token_ids += [5] * num_out
+        row = sampling_row(req, [0] * drafts if drafts else None)
+        if plain_greedy(req, drafts):
+            said += 1
+            assert row.greedy and not row.banned_token_ids and not _penalised(row), (temp, pen, min_tokens, num_out)
+    assert said > 0
+    assert plain_greedy(Request("g", None, [1], SamplingParams(temperature=0.0), seed=0, eos_token_id=2))
