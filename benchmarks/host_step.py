@@ -17,6 +17,7 @@ import torch
 
 from dspark import LLM, SamplingParams
 from dspark.worker import model_runner as mr
+from dspark.worker.sampler import uniforms
 
 
 def host_ms(
@@ -51,7 +52,14 @@ def host_ms(
             ids += req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + s.num_new_tokens]
             mr.slots_for(req.block_ids, req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens, 16)
         sampling = [s for s in sched.scheduled if s.samples]
-        if not all(mr.plain_greedy(s.request, s.continues) for s in sampling):  # as ModelRunner.launch
+        if all(mr.plain_greedy(s.request, s.continues) for s in sampling):  # as ModelRunner.launch
+            pass
+        elif all(mr.plain_temperature(s.request, s.continues) for s in sampling):
+            seeds = [s.request.seed for s in sampling]
+            counters = [s.request.num_output_tokens + s.continues for s in sampling]
+            [s.request.sampling_params.temperature for s in sampling]
+            uniforms(seeds, counters)
+        else:
             [mr.sampling_row(s.request, [0] if s.continues else None) for s in sampling]
         # tokens left "on the device" as the real runner leaves them, so that async scheduling can continue the step
         sampling = [s.request.request_id for s in sched.scheduled if s.samples]

@@ -188,6 +188,13 @@ class ModelRunner:
                 if all(plain_greedy(s.request, s.continues) for s in sampling):
                     # the sampler's own fast path (Sampler.tokens), without a SamplingRow per request and step
                     launched.tokens = logits_of(rows)[: len(rows)].argmax(dim=-1)
+                elif all(plain_temperature(s.request, s.continues) for s in sampling):
+                    launched.tokens = self.sampler.plain_temperature(
+                        logits_of(rows),
+                        [s.request.sampling_params.temperature for s in sampling],
+                        [s.request.seed for s in sampling],
+                        [s.request.num_output_tokens + s.continues for s in sampling],
+                    )
                 else:
                     launched.tokens = self.sampler.tokens(
                         logits_of(rows), [sampling_row(s.request, [0] if s.continues else None) for s in sampling]
@@ -361,6 +368,20 @@ def plain_greedy(req: Request, num_drafts: int = 0) -> bool:
     tokens; such rows take the full path, which gives the same token."""
     p = req.sampling_params
     return p.temperature < GREEDY_BELOW and not p.has_penalties and req.num_output_tokens + num_drafts >= p.min_tokens
+
+
+def plain_temperature(req: Request, num_drafts: int = 0) -> bool:
+    """Whether the request's next token (after num_drafts more) is drawn with a temperature alone: not greedy, no
+    top-k/p, min-p or penalties, nothing banned (Sampler.plain_temperature). Conservative as plain_greedy."""
+    p = req.sampling_params
+    return (
+        p.temperature >= GREEDY_BELOW
+        and p.top_k <= 0
+        and p.top_p >= 1.0
+        and p.min_p <= 0.0
+        and not p.has_penalties
+        and req.num_output_tokens + num_drafts >= p.min_tokens
+    )
 
 
 def sampling_row(req: Request, drafts: list[int] | None = None) -> SamplingRow:

@@ -167,6 +167,17 @@ class Sampler:
             return logits[:n].argmax(dim=-1)
         return self.sample_on_device(self.target_probs(logits[:n], rows), rows)
 
+    def plain_temperature(
+        self, logits: torch.Tensor, temperatures: list[float], seeds: list[int], counters: list[int]
+    ) -> torch.Tensor:
+        """tokens() for rows that only have a temperature (>= GREEDY_BELOW; no top-k/p, min-p, penalties or banned
+        tokens): the same softmax and draws as probabilities() and sample_on_device() make for such rows, without a
+        SamplingRow per row ([n] int64 on logits' device, not waited for)."""
+        n = len(temperatures)
+        temps = upload(temperatures, torch.float32, logits.device)
+        probs = torch.softmax(logits[:n] / temps[:, None], dim=-1)
+        return self.draw(probs, uniforms(seeds, counters))
+
     def draw(self, probs: torch.Tensor, us: Sequence[float] | np.ndarray) -> torch.Tensor:
         """Row i's token at quantile us[i] of probs[i] ([n] int64, on probs' device, not yet on the host).
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.worker.sampler import Sampler, SamplingRow, _apply_penalties, mix_seed, uniform, uniforms
+from dspark.worker.sampler import Sampler, SamplingRow, _apply_penalties, _penalised, mix_seed, uniform, uniforms
 
 # Chi-square critical values at significance 1e-3 for 1..7 degrees of freedom. Draws are seeded, so a test that
 # passes once passes always; the level only bounds how unlucky a correct sampler could have been.
@@ -332,7 +332,6 @@ def test_plain_greedy_implies_the_samplers_argmax_path() -> None:
     from dspark.config import SamplingParams
     from dspark.engine.request import Request
     from dspark.worker.model_runner import plain_greedy, sampling_row
-    from dspark.worker.sampler import _penalised
 
     said = 0
     for temp, pen, min_tokens, ignore_eos, stops, num_out, drafts in itertools.product(
@@ -349,3 +348,41 @@ def test_plain_greedy_implies_the_samplers_argmax_path() -> None:
             assert row.greedy and not row.banned_token_ids and not _penalised(row), (temp, pen, min_tokens, num_out)
     assert said > 0
     assert plain_greedy(Request("g", None, [1], SamplingParams(temperature=0.0), seed=0, eos_token_id=2))
+
+
+def test_plain_temperature_rows_draw_what_the_full_sampler_draws() -> None:
+    """Sampler.plain_temperature gives Sampler.tokens's tokens for rows with only a temperature, and
+    model_runner.plain_temperature says so only for requests whose sampling row has nothing else."""
+    import itertools
+
+    from dspark.config import SamplingParams
+    from dspark.engine.request import Request
+    from dspark.worker.model_runner import plain_temperature, sampling_row
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, 40, generator=g) * 3
+    temps = [0.3, 1.0, 1.7, 0.9, 1.0, 2.5, 0.6, 1.2]
+    rows = [
+        SamplingRow(t, 0, 1.0, 0.0, seed=-7 + 11 * i, counter=i * 5, prompt_token_ids=[], output_token_ids=[])
+        for i, t in enumerate(temps)
+    ]
+    sampler = Sampler()
+    want = sampler.tokens(logits, rows).tolist()
+    got = sampler.plain_temperature(logits, temps, [r.seed for r in rows], [r.counter for r in rows]).tolist()
+    assert got == want
+    said = 0
+    for temp, top_k, top_p, min_p, pen, min_tokens, drafts in itertools.product(
+        (0.0, 0.8), (0, 5), (1.0, 0.9), (0.0, 0.1), (0.0, 0.5), (0, 4), (0, 1)
+    ):
+        params = SamplingParams(
+            temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=1.0 + pen, min_tokens=min_tokens
+        )
+        req = Request("r", None, [1, 2], params, seed=3, eos_token_id=2)
+        req.all_token_ids += [9, 9]
+        row = sampling_row(req, [0] * drafts if drafts else None)
+        if plain_temperature(req, drafts):
+            said += 1
+            filtered = row.min_p > 0 or 0 < row.top_k or row.top_p < 1.0
+            assert not row.greedy and not filtered and not row.banned_token_ids and not _penalised(row)
+            assert row.counter == req.num_output_tokens + drafts and row.seed == req.seed
+    assert said > 0
