@@ -174,6 +174,7 @@ class Sampler:
         tokens): the same softmax and draws as probabilities() and sample_on_device() make for such rows, without a
         SamplingRow per row ([n] int64 on logits' device, not waited for)."""
         n = len(temperatures)
+        assert min(temperatures, default=1.0) >= GREEDY_BELOW, "greedy rows take the argmax, not a softmax"
         temps = upload(temperatures, torch.float32, logits.device)
         probs = torch.softmax(logits[:n] / temps[:, None], dim=-1)
         return self.draw(probs, uniforms(seeds, counters))

@@ -372,7 +372,7 @@ def test_plain_temperature_rows_draw_what_the_full_sampler_draws() -> None:
     assert got == want
     said = 0
     for temp, top_k, top_p, min_p, pen, min_tokens, drafts in itertools.product(
-        (0.0, 0.8), (0, 5), (1.0, 0.9), (0.0, 0.1), (0.0, 0.5), (0, 4), (0, 1)
+        (0.0, 1e-6, 0.8), (-1, 0, 5), (1.0, 0.9), (0.0, 0.1), (0.0, 0.5), (0, 4), (0, 1)
     ):
         params = SamplingParams(
             temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=1.0 + pen, min_tokens=min_tokens
@@ -386,3 +386,5 @@ def test_plain_temperature_rows_draw_what_the_full_sampler_draws() -> None:
             assert not row.greedy and not filtered and not row.banned_token_ids and not _penalised(row)
             assert row.counter == req.num_output_tokens + drafts and row.seed == req.seed
     assert said > 0
+    # the default request (top_k=-1, top_p=1, min_p=0) takes the fast path
+    assert plain_temperature(Request("t", None, [1], SamplingParams(), seed=0, eos_token_id=2))
