@@ -55,10 +55,9 @@ def host_ms(
         if all(mr.plain_greedy(s.request, s.continues) for s in sampling):  # as ModelRunner.launch
             pass
         elif all(mr.plain_temperature(s.request, s.continues) for s in sampling):
-            seeds = [s.request.seed for s in sampling]
-            counters = [s.request.num_output_tokens + s.continues for s in sampling]
-            [s.request.sampling_params.temperature for s in sampling]
-            uniforms(seeds, counters)
+            # the lists ModelRunner.launch hands Sampler.plain_temperature, and its uniforms
+            _ = [s.request.sampling_params.temperature for s in sampling]
+            uniforms([s.request.seed for s in sampling], [s.request.num_output_tokens + s.continues for s in sampling])
         else:
             [mr.sampling_row(s.request, [0] if s.continues else None) for s in sampling]
         # tokens left "on the device" as the real runner leaves them, so that async scheduling can continue the step

@@ -160,3 +160,14 @@ def patch_triton_interpreter() -> None:
             return np.where(np.isnan(bits.view(np.float32)), np.uint16(0x7FC0), rounded)
 
         interpreter._convert_float = convert_rne
+
+
+def run_interpreted(run: Any, names: list[str]) -> dict[str, str]:
+    """The interpreter subprocess's side of interpreted_verdicts (a test file run as a script): the interpreter's
+    patches, one CPU thread (the shapes are tiny, the machine's cores shared), then run(name)'s verdict per case."""
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    torch.set_num_threads(1)
+    return case_verdicts(run, names)

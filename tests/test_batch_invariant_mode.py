@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
 from collections.abc import Callable
 
@@ -24,7 +23,7 @@ from dspark.cli import add_engine_args, engine_config
 from dspark.config import EngineConfig
 from dspark.errors import ConfigError
 from dspark.worker.attention.base import AttentionMetadata, KVCache
-from helpers import case_verdicts, interpreted_verdicts, patch_triton_interpreter
+from helpers import interpreted_verdicts, run_interpreted
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -114,6 +113,15 @@ def check_attention(dtype: torch.dtype, device: torch.device) -> None:
         return backend.forward(q, k, v, cache, meta, scale)  # type: ignore[attr-defined]
 
     invariant = lambda: TritonAttention(invariant=True)  # noqa: E731
+    # What the mode fixes (on CPU the rows' bits agree either way; the GPU case below is where they would not): a
+    # verification plans the program shape and the single key split a decode plans, a default backend does not.
+    shapes = {}
+    for name, backend in (("invariant", invariant()), ("default", TritonAttention())):
+        for q in (1, 8):
+            backend.prepare(_meta([q], [600], [blocks_of["C"]], device), NUM_KV_HEADS, NUM_HEADS, BLOCK_SIZE)
+            shapes[name, q] = (backend._rows, backend._block_m, backend.num_splits)
+    assert shapes["invariant", 1] == shapes["invariant", 8] == (16, 5, 1), shapes
+    assert shapes["default", 1] != shapes["default", 8], shapes
     verified = run(invariant, [("A", 252, 8)])
     for j in range(8):
         alone = run(invariant, [("A", 252 + j, 1)])
@@ -134,13 +142,6 @@ CASES: dict[str, Callable[[torch.device], None]] = {
     "attention-fp32": lambda dev: check_attention(torch.float32, dev),
     "attention-bf16": lambda dev: check_attention(torch.bfloat16, dev),
 }
-
-
-def _run_interpreted(names: list[str]) -> dict[str, str]:
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    patch_triton_interpreter()
-    torch.set_num_threads(1)
-    return case_verdicts(lambda name: CASES[name](torch.device("cpu")), names)
 
 
 @pytest.fixture(scope="module")
@@ -218,4 +219,4 @@ def test_gpu_batch_invariant_engine_keeps_greedy_output_with_speculation() -> No
 
 
 if __name__ == "__main__":
-    print(json.dumps(_run_interpreted(sys.argv[1:])))
+    print(json.dumps(run_interpreted(lambda name: CASES[name](torch.device("cpu")), sys.argv[1:])))

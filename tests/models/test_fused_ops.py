@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM, RMSNorm, Rotary, apply_rotary
 from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache
 from dspark.worker.attention.torch_ref import TorchAttention
-from helpers import case_verdicts, interpreted_verdicts, patch_triton_interpreter
+from helpers import interpreted_verdicts, run_interpreted
 
 REPO = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -329,14 +328,6 @@ CASES: dict[str, Callable[[torch.device], None]] = {
 # ---- CPU: the Triton interpreter, in a subprocess -------------------------------------------------------------------
 
 
-def _run_interpreted(names: list[str]) -> dict[str, str]:
-    """In the subprocess: each case's verdict, "ok" or the failure."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    patch_triton_interpreter()
-    torch.set_num_threads(1)  # the machine's cores are shared; these shapes are tiny
-    return case_verdicts(lambda name: CASES[name](torch.device("cpu")), names)
-
-
 @pytest.fixture(scope="module")
 def interpreted(request: pytest.FixtureRequest) -> dict[str, str]:
     """Verdicts of the selected interpreter cases, all computed in one subprocess."""
@@ -526,4 +517,4 @@ def test_gpu_fused_decode_layer_kernel_count() -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_run_interpreted(sys.argv[1:])))
+    print(json.dumps(run_interpreted(lambda name: CASES[name](torch.device("cpu")), sys.argv[1:])))

@@ -10,7 +10,6 @@ plus a CUDA-graph capture replayed with other batch contents.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import case_verdicts, interpreted_verdicts, patch_triton_interpreter
+from helpers import interpreted_verdicts, run_interpreted
 
 pytest.importorskip("triton")
 
@@ -242,13 +241,6 @@ def check_case(case: Case, device: torch.device) -> None:
 # ---- CPU: the Triton interpreter, in a subprocess ------------------------------------------------------------------
 
 
-def _run_interpreted(names: list[str]) -> dict[str, str]:
-    """In the subprocess: each case's verdict, "ok" or the failure."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    patch_triton_interpreter()
-    return case_verdicts(lambda name: check_case(CASES_BY_NAME[name], torch.device("cpu")), names)
-
-
 @pytest.fixture(scope="module")
 def interpreted(request: pytest.FixtureRequest) -> dict[str, str]:
     """Verdicts of the selected interpreter cases, all computed in one subprocess (one import of torch and triton)."""
@@ -411,4 +403,4 @@ def test_gpu_cuda_graph_replays_other_batches_like_eager(num_splits: int | None)
 
 
 if __name__ == "__main__":
-    print(json.dumps(_run_interpreted(sys.argv[1:])))
+    print(json.dumps(run_interpreted(lambda name: check_case(CASES_BY_NAME[name], torch.device("cpu")), sys.argv[1:])))
