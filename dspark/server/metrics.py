@@ -95,7 +95,11 @@ GAUGES = {
     ),
     "spec_decode_cost_model_overhead_ms": (
         "spec_decode_cost_model_overhead_ms",
-        "Per-step overhead (ms) the online cost model adds to the profiled curves.",
+        "Per-step overhead (ms) the online cost model adds to the profiled curves of a plain step (one request).",
+    ),
+    "spec_decode_cost_model_spec_overhead_ms": (
+        "spec_decode_cost_model_spec_overhead_ms",
+        "As above, of a speculative step (it verified drafts or drafted).",
     ),
 }
 # get_metrics() lists -> (name, label of the index, help)

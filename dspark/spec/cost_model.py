@@ -137,6 +137,12 @@ class CostModel:
             return self.draft_ms(num_requests) + self.verify_ms(num_tokens.cpu(), context_tokens)
         return self.draft_ms(num_requests) + self.verify.at(num_tokens)
 
+    def plain_step_ms(self, num_requests: int, num_tokens: Any, context_tokens: int | None = None) -> Any:
+        """Predicted milliseconds of a plain step (no drafter pass) of num_requests requests over num_tokens tokens;
+        the profiled curves see only the tokens."""
+        del num_requests  # the refined model's residual needs it
+        return self.step_ms(0, num_tokens, context_tokens)
+
     def table(self) -> list[dict[str, float]]:
         """The profiled points, for printing: one row per size with the verify and draft times where profiled."""
         sizes = sorted(set(self.verify.sizes) | set(self.draft.sizes))
@@ -167,37 +173,89 @@ class CostModel:
 
 
 OUTLIER_RATIO = 5.0  # measured steps slower than this multiple of the profiled prediction are not learned from
+SURPRISE = (
+    0.25  # a speculative step measured this far (relative) from its refined prediction moves the model's verdicts
+)
+MIN_PLAIN_FRACTION = 0.5  # a plain step is never predicted below this share of its profiled time
 
 
-class RefinedCostModel(CostModel):
-    """A profiled cost model plus what the profile cannot see, learned online from measured steps.
+class _Residual:
+    """Measured minus profiled milliseconds as a + b * num_requests, by exponentially weighted least squares."""
 
-    The profile times the runner alone (target pass, verification, drafting) on dummy requests; a real step also
-    pays per-request work outside it (scheduling, output processing, detokenising) and real contexts. That residual,
-    measured minus profiled, is fitted as a + b * num_requests by exponentially weighted least squares and added to
-    every prediction (never below 0). It is paid with or without drafts, so it matters exactly where adaptive
-    verification weighs drafting against not drafting."""
-
-    def __init__(self, base: CostModel, decay: float = 0.98) -> None:
-        super().__init__(base.verify, base.draft, base.key)
-        self.base = base
+    def __init__(self, decay: float) -> None:
         self.decay = decay
+        self.count = 0  # steps learned from
         self._sums = [0.0] * 5  # sum of w, w*r, w*r^2, w*y, w*r*y (floats: updated every step, a tensor op costs more)
 
-    def observe(self, num_requests: int, base_ms: float, measured_ms: float) -> None:
-        if measured_ms > OUTLIER_RATIO * max(base_ms, 1e-3):
-            return  # a one-off stall (a kernel compiling, a GC pause) says nothing about the next step
-        r, y = float(num_requests), measured_ms - base_ms
-        d = self.decay
+    def add(self, num_requests: int, residual_ms: float) -> None:
+        r, y, d = float(num_requests), residual_ms, self.decay
         self._sums = [d * a + b for a, b in zip(self._sums, (1.0, r, r * r, y, r * y), strict=True)]
+        self.count += 1
 
-    def overhead_ms(self, num_requests: int) -> float:
+    def at(self, num_requests: int) -> float:
         s0, s1, s2, sy, sry = self._sums
         if s0 < 1e-9:
             return 0.0
         det = s0 * s2 - s1 * s1
         slope = (s0 * sry - s1 * sy) / det if det > 1e-6 * max(s0 * s2, 1e-12) else 0.0
-        return max(0.0, (sy - slope * s1) / s0 + slope * num_requests)
+        return (sy - slope * s1) / s0 + slope * num_requests
+
+
+class RefinedCostModel(CostModel):
+    """A profiled cost model plus what the profile cannot see, learned online from measured steps, for each regime.
+
+    The profile times the runner alone (target pass, verification, drafting) on dummy greedy requests; a real step
+    also pays per-request work outside it (scheduling, output processing, detokenising), real contexts and, at T > 0,
+    the sampled drafts and verification. That residual, measured minus profiled, is fitted as a + b * num_requests by
+    exponentially weighted least squares, separately for speculative steps (they verified drafts or drafted) and
+    plain ones, and added to each regime's predictions.
+
+    NOTE: one residual for both regimes leaned the model towards drafting exactly where drafting costs most: adding the
+    same milliseconds to both sides of "does drafting pay" shrinks their ratio. On the H200 at T = 1, C = 256, a
+    drafting step took 9-18 ms against a 2.4 ms plain step (session 5, sampler-t1.json), where the profile saw a few
+    milliseconds more than plain; the model kept saying draft, and each new load level of a sweep row's ramp drafted
+    (0.85x of no-spec). Until a speculative step has been measured its residual is the plain one's.
+
+    A plain residual may be negative (a pipelined plain step, measured host to host, overlaps the host's work with the
+    device's, where the profile times a step run alone), down to MIN_PLAIN_FRACTION of the profiled time; a speculative
+    one is never below 0."""
+
+    def __init__(self, base: CostModel, decay: float = 0.98) -> None:
+        super().__init__(base.verify, base.draft, base.key)
+        self.base = base
+        self.plain = _Residual(decay)
+        self.spec = _Residual(decay)
+        self.num_surprises = 0  # speculative steps that differed from their refined prediction by more than SURPRISE
+
+    def observe(self, num_requests: int, base_ms: float, measured_ms: float, speculative: bool) -> None:
+        if measured_ms > OUTLIER_RATIO * max(base_ms, 1e-3):
+            return  # a one-off stall (a kernel compiling, a GC pause) says nothing about the next step
+        if speculative:
+            predicted = base_ms + self.overhead_ms(num_requests, speculative=True)
+            self.num_surprises += abs(measured_ms - predicted) > SURPRISE * max(predicted, 1e-3)
+        (self.spec if speculative else self.plain).add(num_requests, measured_ms - base_ms)
+
+    @property
+    def validated(self) -> bool:
+        """Whether speculative steps have been measured: the model's drafting costs are then its own, not the
+        profile's plus the plain residual."""
+        return self.spec.count > 0
+
+    def overhead_ms(self, num_requests: int, speculative: bool = True) -> float:
+        if speculative:
+            return max(0.0, (self.spec if self.spec.count else self.plain).at(num_requests))
+        return self.plain.at(num_requests)
 
     def step_ms(self, num_requests: int, num_tokens: Any, context_tokens: int | None = None) -> Any:
+        """A drafting step's predicted milliseconds (num_requests > 0), with the speculative residual; num_requests 0
+        is a plain step of unknown width (the plain residual's intercept): plain_step_ms knows its requests."""
+        if num_requests == 0:
+            return self.plain_step_ms(0, num_tokens, context_tokens)
         return self.base.step_ms(num_requests, num_tokens, context_tokens) + self.overhead_ms(num_requests)
+
+    def plain_step_ms(self, num_requests: int, num_tokens: Any, context_tokens: int | None = None) -> Any:
+        base = self.base.plain_step_ms(num_requests, num_tokens, context_tokens)
+        refined = base + self.overhead_ms(num_requests, speculative=False)
+        if isinstance(refined, torch.Tensor):
+            return torch.maximum(refined, MIN_PLAIN_FRACTION * base)
+        return max(refined, MIN_PLAIN_FRACTION * base)

@@ -31,8 +31,8 @@ import torch
 
 from dspark.engine.scheduler import SchedulerOutput
 from dspark.spec.cost_model import CostModel, RefinedCostModel
-from dspark.spec.regime import RegimeChooser
-from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, drafting_pays
+from dspark.spec.regime import RegimeChooser, Verdict
+from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, drafting_verdict
 from dspark.train.calibrate import NUM_BINS
 from dspark.worker.transfer import Download, download, upload, upload_tensor
 
@@ -125,7 +125,7 @@ class StepTiming:
             self.sum_error = [
                 a + b for a, b in zip(self.sum_error, (base, abs(base), refined, abs(refined)), strict=True)
             ]
-            cost.observe(t.num_requests, t.base_ms, measured)
+            cost.observe(t.num_requests, t.base_ms, measured, speculative=t.verified_drafts or t.drafted)
             # NOTE: a step with a prompt chunk says nothing about either regime's decode rate. Counted as a plain step,
             # a level's first step (its requests' prefill: 16 tokens in ~15 ms at C = 16 on the H200) made plain
             # decoding look slower than drafting, and the level then drafted for most of a sweep row.
@@ -201,7 +201,8 @@ class VerificationPlanner:
         self.plain_timing_every = PLAIN_TIMING_EVERY if device.type == "cuda" else 1
         self._since_drafts = TIMED_AFTER_DRAFTS + 1  # steps since one with drafts to verify
         self._since_timed = 0
-        self._pays_cache: dict[int, tuple[bool, int]] = {}  # num requests -> (answer, steps it may still be reused)
+        # num requests -> (answer, steps it may still be reused, the cost model's surprises when it was computed)
+        self._pays_cache: dict[int, tuple[Verdict, int, int]] = {}
         # prepare(): the step it expects (request ids, caps, requests sampling, other tokens) and the budget for it
         self._prepared: tuple[tuple[list[str], list[int], int, int], int] | None = None
         self.num_prepared_budgets = 0  # planned steps whose budget prepare() had chosen
@@ -332,22 +333,30 @@ class VerificationPlanner:
 
     def should_draft(self, request_ids: list[str]) -> bool:
         """Adaptive modes: whether drafting for these requests pays at all: the cost model's answer
-        (scheduling.drafting_pays, from their stale survivals and a decode step of them), checked against the measured
-        tokens/ms of each regime at this load (spec/regime.py)."""
+        (scheduling.drafting_verdict, from their stale survivals and a decode step of them), checked against the
+        measured tokens/ms of each regime at this load (spec/regime.py)."""
         if not self.adaptive or not request_ids:
             return True
         assert self.cost is not None
+        cost = self.cost
         self._harvest()
+        # The last drafting step's time, when it has completed: the verdict after a level's first drafting step then
+        # knows what that step cost (without this it was learned a step later, after one more drafting step).
+        self.timing.harvest(cost, self.regime)
         n = len(request_ids)
 
-        def model_says() -> bool:
+        def model_says() -> Verdict:
             # NOTE: the cost model's answer moves slowly (stale survivals, the load); recomputed every few steps at a
             # load, it costs ~1% of a small step instead of ~30% (host tensor work on [R, K]). The regime asks only
-            # when its measurements leave the choice open.
+            # when its measurements leave the choice open. A speculative step that the refined model mispredicted
+            # (its first one, say) voids the cached answers: they priced drafting wrong.
             cached = self._pays_cache.get(n)
-            if cached is None or cached[1] <= 0:
-                cached = (drafting_pays(self._stale_rows(self._rows(request_ids)), n, self.cost), PAYS_REUSE)
-            self._pays_cache[n] = (cached[0], cached[1] - 1)
+            if cached is None or cached[1] <= 0 or cached[2] != cost.num_surprises:
+                verdict = drafting_verdict(self._stale_rows(self._rows(request_ids)), n, cost)
+                if not cost.validated:  # the predictions are the profile's guess: the regime explores early
+                    verdict = Verdict(verdict.draft)
+                cached = (verdict, PAYS_REUSE, cost.num_surprises)
+            self._pays_cache[n] = (cached[0], cached[1] - 1, cached[2])
             return cached[0]
 
         pays = self.regime.choose(n, model_says)
@@ -462,7 +471,7 @@ class VerificationPlanner:
             return
         num_requests, num_tokens = self._shape
         base = self.cost.base.step_ms(num_requests if drafted else 0, num_tokens)
-        refined = base + self.cost.overhead_ms(num_requests)
+        refined = base + self.cost.overhead_ms(num_requests, speculative=drafted or self._verified_drafts)
         if isinstance(self._step_start, torch.cuda.Event):
             end: torch.cuda.Event | float = torch.cuda.Event(enable_timing=True)
             end.record()  # type: ignore[union-attr]
@@ -498,7 +507,12 @@ class VerificationPlanner:
         now = time.perf_counter()
         if self._last_continued is not None and self.adaptive and self.cost is not None:
             self.timing.harvest(self.cost, self.regime)  # older event-timed steps first: the regime sees steps in order
-            self.regime.observe(num_requests, False, drafted, num_emitted, (now - self._last_continued) * 1e3)
+            ms = (now - self._last_continued) * 1e3
+            self.regime.observe(num_requests, False, drafted, num_emitted, ms)
+            if not drafted:
+                # NOTE: and the plain residual: what a plain step costs in a pipelined run (its host work overlaps the
+                # device's, unlike the profiled step run alone) is what drafting must beat.
+                self.cost.observe(num_requests, self.cost.base.plain_step_ms(num_requests, num_requests), ms, False)
         self._last_continued = now if chain_goes_on else None
 
     # ---- 3. after verifying -------------------------------------------------------------------------------------
@@ -582,5 +596,7 @@ class VerificationPlanner:
             "spec_decode_cost_model_abs_error": base_abs,
             "spec_decode_refined_cost_model_error": refined,
             "spec_decode_refined_cost_model_abs_error": refined_abs,
-            "spec_decode_cost_model_overhead_ms": self.cost.overhead_ms(1) if self.cost is not None else 0.0,
+            # the online residual at one request, of plain and of speculative steps
+            "spec_decode_cost_model_overhead_ms": self.cost.overhead_ms(1, False) if self.cost is not None else 0.0,
+            "spec_decode_cost_model_spec_overhead_ms": self.cost.overhead_ms(1) if self.cost is not None else 0.0,
         }

@@ -22,6 +22,15 @@ costs: a burst may cost at most EXPLORE_SHARE of the time between bursts. The co
 slower regime's step can last several of the faster one's, and each of its milliseconds loses (1 - slow rate / fast
 rate) of what the faster regime would have made.
 
+A level that follows the model because it has measured nothing yet explores drafting after FIRST_PERIOD steps,
+except where the model's plain verdict comes with predicted costs (a Verdict with rates: the planner gives them once
+speculative steps have been measured, so that the model's drafting costs are measured ones, not the profile's): the
+first burst is then spaced as measured rates would space it. NOTE: on the H200 at T = 1 a sweep row's ramp from 64 to
+256 requests crossed three load levels in a few steps each; each level explored drafting early, 10 drafting steps of
+9-18 ms against 2.4 ms plain ones, 0.85x of no-spec (session 5). The asymmetry is deliberate: the model's error leans
+to drafting (it cannot see a drafting step's host work), so a model that says plain while it knows drafting's measured
+cost is the trustworthy side, and a drafting verdict still explores plain steps (cheap) early.
+
 The choice reads only past measurements and the load, never a draft, so verification stays lossless.
 """
 
@@ -37,6 +46,16 @@ MARGIN = 0.03
 DECAY = 0.8  # weight of the previous average per new steady step
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """The cost model's answer to "does drafting pay at this load", with its predictions when the model has measured
+    speculative steps (None: the profile's guess alone)."""
+
+    draft: bool
+    rate: dict[bool, float] | None = None  # drafting? -> predicted tokens/ms
+    ms: dict[bool, float] | None = None  # drafting? -> predicted ms per step
+
+
 @dataclass
 class _Level:
     rate: dict[bool, float] = field(default_factory=dict)  # drafting? -> tokens/ms
@@ -45,6 +64,7 @@ class _Level:
     period: int = FIRST_PERIOD
     burst: int = 0  # steps left in an exploration burst
     burst_regime: bool = False
+    predicted: Verdict | None = None  # the model's last plain verdict with predictions, while nothing is measured
 
 
 class RegimeChooser:
@@ -58,13 +78,19 @@ class RegimeChooser:
     def level(num_requests: int) -> int:
         return max(num_requests, 1).bit_length()
 
-    def choose(self, num_requests: int, model_says_draft: bool | Callable[[], bool]) -> bool:
+    def choose(self, num_requests: int, model_says_draft: bool | Verdict | Callable[[], bool | Verdict]) -> bool:
         """model_says_draft: the cost model's answer, or a function computing it, asked only when the measured rates
         leave the choice to it (none measured yet and no neighbour's verdict). On the H200 host its tensor ops took
         20-30 ms a call at R = 512 under torch.profiler (benchmarks/gpu/plain_step_trace.py); asked every 8 plain
         steps, that was the gap between adaptive's plain steps (7.4 ms) and no-spec's (5.6 ms)."""
-        ask = model_says_draft if callable(model_says_draft) else lambda: model_says_draft
         lv = self.levels.setdefault(self.level(num_requests), _Level())
+
+        def ask() -> bool:
+            answer = model_says_draft() if callable(model_says_draft) else model_says_draft
+            verdict = answer if isinstance(answer, Verdict) else Verdict(bool(answer))
+            lv.predicted = verdict if not verdict.draft and verdict.rate is not None else None
+            return verdict.draft
+
         if lv.burst:
             lv.burst -= 1
             choice = lv.burst_regime
@@ -77,7 +103,10 @@ class RegimeChooser:
                     choice = self._current if self._current is not None else ask()
             else:
                 found = self._neighbour(self.level(num_requests))
-                choice = ask() if found is None else found[0]
+                if found is None:
+                    choice = ask()
+                else:
+                    choice, lv.predicted = found[0], None
             self._current = choice
             other = not choice
             own = max(lv.period, self._spacing(lv))
@@ -128,14 +157,21 @@ class RegimeChooser:
     @staticmethod
     def _spacing(lv: _Level) -> int:
         """Steps of the faster regime between bursts so that a burst costs at most EXPLORE_SHARE of the time between
-        them (0 until both regimes are measured): a burst lasts BURST * slow_ms, and each of its milliseconds makes
-        slow / fast of the faster regime's tokens."""
-        if len(lv.rate) < 2 or min(lv.rate.values()) <= 0 or len(lv.ms) < 2:
+        them: a burst lasts BURST * slow_ms, and each of its milliseconds makes slow / fast of the faster regime's
+        tokens. From the measured rates once both are known; before that from the model's predictions where its plain
+        verdict has them (Verdict); else 0."""
+        rate, ms = lv.rate, lv.ms
+        if len(rate) < 2 or len(ms) < 2:
+            p = lv.predicted
+            if p is None or p.rate is None or p.ms is None:
+                return 0
+            rate, ms = p.rate, p.ms
+        if min(rate.values()) <= 0:
             return 0
-        fast = max(lv.rate, key=lambda regime: lv.rate[regime])
+        fast = max(rate, key=lambda regime: rate[regime])
         slow = not fast
-        lost_ms = BURST * lv.ms[slow] * (1.0 - lv.rate[slow] / lv.rate[fast])
-        return min(int(lost_ms / (EXPLORE_SHARE * max(lv.ms[fast], 1e-6))), MAX_PERIOD)
+        lost_ms = BURST * ms[slow] * (1.0 - rate[slow] / rate[fast])
+        return min(int(lost_ms / (EXPLORE_SHARE * max(ms[fast], 1e-6))), MAX_PERIOD)
 
     def observe(self, num_requests: int, verified_drafts: bool, drafted: bool, tokens: int, ms: float) -> None:
         """One finished step: it counts for a regime only if steady (verified drafts and drafted again, or neither)."""

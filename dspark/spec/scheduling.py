@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dspark.spec.cost_model import CostModel
+from dspark.spec.regime import Verdict
 
 
 def survival(confidences: torch.Tensor) -> torch.Tensor:
@@ -165,16 +166,28 @@ def drafting_pays(
     cost: CostModel,
     margin: float = 0.05,
 ) -> bool:
+    """Whether drafting for these requests is worth its cost at all (drafting_verdict)."""
+    return drafting_verdict(survival, num_other_tokens, cost, margin).draft
+
+
+def drafting_verdict(
+    survival: torch.Tensor,  # [R, K] host, stale (or last known) survivals of the requests about to draft
+    num_other_tokens: int,  # T of the step the drafts would be verified in
+    cost: CostModel,
+    margin: float = 0.05,
+) -> Verdict:
     """Whether drafting for these requests is worth its cost at all: the best budget's tokens per millisecond, drafting
-    paid, against no speculation (no drafter pass, no drafts). At high load the drafter's own pass can cost more than
-    the few drafts worth verifying return; then the engine does not draft (and so never falls below no speculation).
-    The decision reads only stale survivals and the load, never a live draft, so it keeps verification lossless.
-    Drafting stops only when no speculation is better by more than `margin`: with few requests the stale survivals
-    are one noisy block each, and a wrong stop loses a whole step's drafts."""
+    paid, against no speculation (no drafter pass, no drafts), with both predictions. At high load the drafter's own
+    pass can cost more than the few drafts worth verifying return; then the engine does not draft (and so never falls
+    below no speculation). The decision reads only stale survivals and the load, never a live draft, so it keeps
+    verification lossless. Drafting stops only when no speculation is better by more than `margin`: with few requests
+    the stale survivals are one noisy block each, and a wrong stop loses a whole step's drafts."""
     num_reqs = survival.shape[0]
     if num_reqs == 0:
-        return False
+        return Verdict(False)
     budget = choose_budget(survival, num_reqs, num_other_tokens, cost)
     gain = num_reqs + float(torch.sort(survival.flatten().double(), descending=True).values[:budget].sum())
-    with_drafts = gain / cost.step_ms(num_reqs, num_other_tokens + budget)
-    return with_drafts * (1.0 + margin) > num_reqs / cost.step_ms(0, num_other_tokens)
+    spec_ms = float(cost.step_ms(num_reqs, num_other_tokens + budget))
+    plain_ms = float(cost.plain_step_ms(num_reqs, num_other_tokens))
+    rate = {True: gain / spec_ms, False: num_reqs / plain_ms}
+    return Verdict(rate[True] * (1.0 + margin) > rate[False], rate, {True: spec_ms, False: plain_ms})

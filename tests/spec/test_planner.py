@@ -13,6 +13,7 @@ from dspark.engine.request import Request
 from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
 from dspark.spec.cost_model import CostModel, RefinedCostModel
 from dspark.spec.planner import VerificationPlanner
+from dspark.spec.regime import BURST
 from dspark.spec.scheduling import drafting_pays
 
 K = 4
@@ -164,23 +165,130 @@ def test_calibration_monitor_compares_predicted_and_realised() -> None:
     }
 
 
-def test_the_refined_cost_learns_the_overhead_outside_the_profile() -> None:
+def test_the_refined_cost_learns_the_overhead_outside_the_profile_per_regime() -> None:
+    """Plain and speculative steps each get their residual (measured minus profiled, a + b * requests): at T = 1 on the
+    H200 a drafting step paid far more outside the profile than a plain one, and one residual for both made drafting
+    look cheaper than it was. Until a speculative step is measured, its residual is the plain one's."""
     base = CostModel.from_points({1: 5.0, 1024: 5.0}, {1: 1.0, 1024: 1.0})
     refined = RefinedCostModel(base)
     assert refined.step_ms(8, 16) == base.step_ms(8, 16)
     for r in [1, 8, 64, 8, 1, 64] * 10:
-        refined.observe(r, base.step_ms(r, r), base.step_ms(r, r) + 2.0 + 0.05 * r)
-    assert refined.overhead_ms(32) == pytest.approx(2.0 + 0.05 * 32)
+        refined.observe(r, base.plain_step_ms(r, r), base.plain_step_ms(r, r) + 2.0 + 0.05 * r, speculative=False)
+    assert not refined.validated
+    assert refined.overhead_ms(32, speculative=False) == pytest.approx(2.0 + 0.05 * 32)
+    assert refined.overhead_ms(32) == pytest.approx(2.0 + 0.05 * 32)  # speculative: the plain residual, for now
     assert refined.step_ms(32, 40) == pytest.approx(base.step_ms(32, 40) + 3.6)
+    for r in [1, 8, 64, 8, 1, 64] * 10:
+        refined.observe(r, base.step_ms(r, r), base.step_ms(r, r) + 6.0 + 0.1 * r, speculative=True)
+    assert refined.validated
+    assert refined.overhead_ms(32) == pytest.approx(6.0 + 0.1 * 32)
+    assert refined.step_ms(32, 40) == pytest.approx(base.step_ms(32, 40) + 9.2)
+    assert refined.plain_step_ms(32, 40) == pytest.approx(base.plain_step_ms(32, 40) + 3.6)
+    assert float(refined.step_ms(32, torch.tensor([40]))[0]) == pytest.approx(base.step_ms(32, 40) + 9.2)
+    assert float(refined.plain_step_ms(32, torch.tensor([40]))[0]) == pytest.approx(base.plain_step_ms(32, 40) + 3.6)
+
+
+def test_a_plain_step_may_cost_less_than_its_profile_but_not_arbitrarily_less() -> None:
+    """A pipelined plain step, timed host to host, may cost less than the profiled step run alone (its host work
+    overlaps the device's): the plain residual may be negative, down to half the profiled time; a speculative one may
+    not."""
+    base = CostModel.from_points({1: 4.0, 1024: 4.0}, {1: 1.0, 1024: 1.0})
+    refined = RefinedCostModel(base)
+    for _ in range(20):
+        refined.observe(4, 4.0, 3.0, speculative=False)
+    assert refined.plain_step_ms(4, 4) == pytest.approx(3.0)
+    for _ in range(200):
+        refined.observe(4, 4.0, 0.5, speculative=False)
+    assert refined.plain_step_ms(4, 4) == pytest.approx(2.0)  # MIN_PLAIN_FRACTION of the profile
+    assert refined.step_ms(4, 4) == base.step_ms(4, 4)  # the speculative side never below its profile
 
 
 def test_the_refined_cost_ignores_one_off_stalls() -> None:
     base = CostModel.from_points({1: 5.0, 1024: 5.0}, {1: 1.0, 1024: 1.0})
     refined = RefinedCostModel(base)
-    refined.observe(8, 6.0, 2000.0)  # a kernel compiling
-    assert refined.overhead_ms(8) == 0.0
-    refined.observe(8, 6.0, 7.0)
+    refined.observe(8, 6.0, 2000.0, speculative=True)  # a kernel compiling
+    assert refined.overhead_ms(8) == 0.0 and not refined.validated
+    refined.observe(8, 6.0, 7.0, speculative=True)
     assert refined.overhead_ms(8) == pytest.approx(1.0)
+
+
+def test_a_mispredicted_speculative_step_is_a_surprise_and_a_right_one_is_not() -> None:
+    """The planner reuses the model's drafting verdict for a few steps; a surprise (a speculative step measured far
+    from its refined prediction: the first one at T = 1, say) voids the reused verdicts."""
+    base = CostModel.from_points({1: 2.0, 1024: 2.0}, {1: 1.0, 1024: 1.0})
+    refined = RefinedCostModel(base)
+    refined.observe(8, 3.0, 9.0, speculative=True)
+    assert refined.num_surprises == 1
+    refined.observe(8, 3.0, 9.2, speculative=True)  # as now predicted
+    refined.observe(8, 3.0, 3.1, speculative=False)  # plain steps are never surprises
+    assert refined.num_surprises == 1
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _ramp(monkeypatch: pytest.MonkeyPatch, draft_cost: float, conf: float) -> tuple[list[bool], VerificationPlanner]:
+    """A sweep row's ramp through the planner, with measured step times: 2 steps each at 16, 40, 100 and 200 requests,
+    then 250 at 256. The profile sees a drafting step as a plain one plus a little (verification nearly free, the
+    drafter 0.1 ms); in fact a plain step takes 1 + 0.01 R ms, a step that drafts draft_cost times that (a step that
+    verifies too, 1.5 times more). The drafts' confidence is conf each, every draft accepted up to its first rejection
+    as the survivals say (rounded). Returns the drafting choices (one per step) and the planner."""
+    import dspark.spec.planner as planner_module
+
+    clock = _Clock()
+    monkeypatch.setattr(planner_module, "time", clock)
+    cost = CostModel.from_points({1: 1.01, 1024: 11.24}, {1: 0.1, 1024: 0.2})
+    planner = VerificationPlanner(K, "async", 0.0, cost, CPU)
+    loads = [16] * 2 + [40] * 2 + [100] * 2 + [200] * 2 + [256] * 250
+    choices, drafted = [], False
+    accepted = round(sum(conf ** (j + 1) for j in range(K)))
+    for r in loads:
+        reqs = [_request(f"r{i}") for i in range(r)]
+        ids = [q.request_id for q in reqs]
+        planner.step_started()
+        sched = _sched(reqs) if drafted else SchedulerOutput([ScheduledRequest(q, 1) for q in reqs])
+        planner.plan(sched)
+        verified = [len(s.spec_token_ids) for s in sched.scheduled]
+        if drafted:
+            planner.record([(rid, v, min(v, accepted)) for rid, v in zip(ids, verified, strict=True)])
+        plain_ms = 1.0 + 0.01 * r
+        clock.now += (plain_ms * (1.5 if drafted else 1.0)) / 1e3
+        emitted = r + sum(min(v, accepted) for v in verified)
+        drafted = planner.should_draft(ids)
+        if drafted:
+            planner.observe(ids, [K] * r, torch.full((r, K), conf))
+            clock.now += (draft_cost - 1.0) * plain_ms / 1e3
+        planner.step_finished(drafted, emitted)
+        choices.append(drafted)
+    return choices, planner
+
+
+def test_a_ramp_drafts_once_where_measured_drafting_costs_more_than_the_profile_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Session 5's T = 1 row at C = 256 on the H200: the ramp crossed a new load level every few steps, the profile said
+    drafting pays at each, and each level drafted (10 drafting steps of 9-18 ms against 2.4 ms plain ones: 0.85x of
+    no-spec). Once a drafting step has been measured, the model's drafting costs are measured ones: it says plain at
+    the levels that follow, and they explore drafting only as rarely as the predicted rates say a burst may cost 1%
+    of the time between (the first comes after ~200 steps here). Here a drafting step costs 4x a plain one for ~2
+    tokens per request."""
+    choices, planner = _ramp(monkeypatch, draft_cost=4.0, conf=0.5)
+    assert planner.cost is not None and planner.cost.validated
+    assert choices[0]  # the profile's verdict, before anything is measured
+    assert not any(choices[1:200]), [i for i, c in enumerate(choices) if c]
+    assert sum(choices) <= 1 + BURST
+
+
+def test_a_ramp_still_drafts_where_drafting_pays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same ramp where a drafting step costs 1.2x a plain one for ~3.4 tokens per request: drafting wins, the
+    measured costs say so, and the row drafts nearly throughout (plain steps only in short exploration bursts)."""
+    choices, _ = _ramp(monkeypatch, draft_cost=1.2, conf=0.9)
+    assert sum(choices) > 0.9 * len(choices)
 
 
 def test_a_block_without_drafts_does_not_stop_drafting_for_good() -> None:
@@ -368,7 +476,7 @@ def test_the_engine_prepares_each_drafting_steps_budget_and_plans_the_same(
         assert planner is not None and planner.mode == "async"
         planner.should_draft = lambda request_ids: True  # type: ignore[method-assign]
         assert planner.cost is not None
-        planner.cost.observe = lambda *args: None  # type: ignore[method-assign]
+        planner.cost.observe = lambda *args, **kwargs: None  # type: ignore[method-assign]
         if not prepare:
             planner.prepare = lambda *args: None  # type: ignore[method-assign]
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from dspark.spec.regime import BURST, FIRST_PERIOD, MAX_PERIOD, RegimeChooser
+from dspark.spec.regime import BURST, EXPLORE_SHARE, FIRST_PERIOD, MAX_PERIOD, RegimeChooser, Verdict
 
 
 def _run(chooser: RegimeChooser, steps: int, model_says: bool, spec_rate: float, plain_rate: float) -> list[bool]:
@@ -217,3 +217,40 @@ def test_a_neighbours_gap_delays_only_a_levels_first_burst() -> None:
     assert starts[0] >= neighbour.period  # the first burst waits for the neighbour's gap
     assert 0 < own < MAX_PERIOD // 4
     assert len(starts) >= 2 and starts[1] - starts[0] < 4 * own  # then the level's own gap
+
+
+def _first_burst(chooser: RegimeChooser, verdict: bool | Verdict, steps: int, regime: bool) -> int | None:
+    """The step at which a new level (16 requests, nothing measured) first runs `regime` against the model's verdict;
+    steps are measured as spec at a third of plain's rate."""
+    for i in range(steps):
+        drafted = chooser.choose(16, verdict)
+        chooser.observe(16, False, drafted, 16, 16 / (0.3 if drafted else 1.0))
+        if drafted == regime:
+            return i
+    return None
+
+
+def test_a_plain_verdict_with_predictions_explores_as_rarely_as_measured_rates_would() -> None:
+    """Once the model's drafting costs are measured ones (the planner then passes its predictions), a plain verdict
+    spaces the level's first drafting burst as measured rates would: at T = 1 on the H200 each level of a sweep row's
+    ramp explored drafting after 2 steps, 2.5-7x a plain step each (session 5)."""
+    verdict = Verdict(False, rate={True: 0.3, False: 1.0}, ms={True: 3.0, False: 1.0})
+    chooser = RegimeChooser()
+    chooser.choose(16, verdict)
+    spacing = chooser._spacing(chooser.levels[chooser.level(16)])
+    assert spacing == int(BURST * 3.0 * 0.7 / (EXPLORE_SHARE * 1.0))
+    first = _first_burst(RegimeChooser(), verdict, 2 * spacing, regime=True)
+    assert first is not None and first >= spacing  # still explored, after the spacing
+
+
+def test_a_verdict_without_predictions_explores_after_the_first_period() -> None:
+    """The profile's guess alone (no speculative step measured yet) earns no such trust."""
+    for verdict in (False, Verdict(False)):
+        assert _first_burst(RegimeChooser(), verdict, 10, regime=True) == FIRST_PERIOD
+
+
+def test_a_drafting_verdict_with_predictions_still_explores_plain_early() -> None:
+    """The model's error leans to drafting (it cannot see all of a drafting step's host work), so a drafting verdict
+    with predictions is not trusted to delay the plain burst: plain steps are cheap to try."""
+    verdict = Verdict(True, rate={True: 1.2, False: 1.0}, ms={True: 3.0, False: 1.0})
+    assert _first_burst(RegimeChooser(), verdict, 10, regime=False) == FIRST_PERIOD

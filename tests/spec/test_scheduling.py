@@ -189,7 +189,7 @@ def test_the_float_budget_choice_is_the_tensor_one() -> None:
     base = CostModel.from_points({1: 1.0, 8: 1.0, 16: 1.3, 64: 2.0, 256: 6.0}, {1: 0.4, 64: 0.9}, capture_limit=16)
     refined = RefinedCostModel(base)
     for r in range(1, 40):
-        refined.observe(r, base.step_ms(r, r), base.step_ms(r, r) + 0.01 * r)
+        refined.observe(r, base.step_ms(r, r), base.step_ms(r, r) + 0.01 * r, speculative=True)
     for trial in range(400):
         num_reqs = 1 + trial % 9
         a = survival(torch.rand(num_reqs, 7, generator=gen) ** 0.3)
