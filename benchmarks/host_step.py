@@ -16,6 +16,9 @@ import time
 import torch
 
 from dspark import LLM, SamplingParams
+from dspark.spec import planner as planner_module
+from dspark.spec.regime import Verdict
+from dspark.spec.scheduling import drafting_verdict
 from dspark.worker import model_runner as mr
 from dspark.worker.sampler import uniforms
 
@@ -28,6 +31,7 @@ def host_ms(
     spec: bool = False,
     async_scheduling: bool = False,
     temperature: float = 1.0,
+    model_verdict: bool = False,
 ) -> float:
     # spec: an adaptive DSpark engine whose planner always answers "drafting does not pay", i.e. the plain steps of
     # adaptive verification at high load, which should cost what a no-spec step costs.
@@ -40,9 +44,21 @@ def host_ms(
         async_scheduling=async_scheduling,
     )
     engine = llm.engine
-    if engine.planner is not None:
+    if engine.planner is not None and not model_verdict:
         planner, regime_choose = engine.planner, engine.planner.regime.choose
         planner.regime.choose = lambda n, model_says: regime_choose(n, False) and False  # type: ignore[method-assign]
+    elif engine.planner is not None:
+        # The regime asks the cost model as on the H200 at a level that never measured drafting: the verdict computed
+        # (every PAYS_REUSE steps), then turned into "plain, drafting 10x slower" so that the stub never drafts.
+        assert engine.planner.cost is not None
+        engine.planner.cost.spec.count = max(engine.planner.cost.spec.count, 1)  # predictions are passed on
+
+        def verdict(*args: object) -> Verdict:
+            v = drafting_verdict(*args)  # type: ignore[arg-type]
+            assert v.rate is not None and v.ms is not None
+            return Verdict(False, {True: v.rate[False] / 10, False: v.rate[False]}, v.ms)
+
+        planner_module.drafting_verdict = verdict  # type: ignore[assignment]
 
     def stub(sched: mr.SchedulerOutput, previous: mr.Launched | None = None) -> mr.Launched:
         # the runner's host work: input lists, then the sampling rows; one token per sampling request
@@ -90,11 +106,25 @@ def main() -> None:
         "--async-scheduling", action="store_true", help="with async scheduling (each step continued from the last)"
     )
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy rows (the runner's argmax path)")
+    parser.add_argument(
+        "--model-verdict",
+        action="store_true",
+        help="--spec: the regime asks the cost model (computed, then said plain) instead of being told plain",
+    )
     args = parser.parse_args()
     for kind in args.output_kind:
         for thaw in (True, False) if args.thaw else (False,):
             for spec in (False, True) if args.spec else (False,):
-                ms = host_ms(args.concurrency, kind, thaw, args.steps, spec, args.async_scheduling, args.temperature)
+                ms = host_ms(
+                    args.concurrency,
+                    kind,
+                    thaw,
+                    args.steps,
+                    spec,
+                    args.async_scheduling,
+                    args.temperature,
+                    args.model_verdict,
+                )
                 heap = "unfrozen" if thaw else "frozen"
                 arm = "adaptive (plain steps)" if spec else "no-spec"
                 print(f"{arm} C={args.concurrency} output_kind={kind} GC heap {heap}: {ms:.2f} ms/step", flush=True)

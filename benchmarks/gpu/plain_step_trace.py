@@ -27,7 +27,7 @@ CONFIGS = {
 }
 
 
-def trace(name: str, concurrency: int, steps: int, top: int) -> None:
+def trace(name: str, concurrency: int, steps: int, top: int, temperature: float = 0.0) -> None:
     llm = LLM(
         device="cuda",
         max_num_seqs=concurrency,
@@ -38,7 +38,9 @@ def trace(name: str, concurrency: int, steps: int, top: int) -> None:
     engine = llm.engine
     if engine.planner is not None:  # the plain regime: never draft
         engine.planner.regime.choose = lambda n, model_says: False  # type: ignore[method-assign]
-    params = SamplingParams(temperature=0.0, max_tokens=steps * 4 + 64, ignore_eos=True, output_kind="final_only")
+    params = SamplingParams(
+        temperature=temperature, max_tokens=steps * 4 + 64, ignore_eos=True, output_kind="final_only"
+    )
     for i in range(concurrency):
         engine.add_request(f"Question {i}: explain how a bicycle stays upright.", params)
     for _ in range(16):
@@ -55,7 +57,10 @@ def trace(name: str, concurrency: int, steps: int, top: int) -> None:
         torch.cuda.synchronize()
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events) / steps
-    print(f"== {name} C={concurrency}: {wall:.2f} ms/step wall (unprofiled), {device_us / 1e3:.2f} ms/step on device")
+    print(
+        f"== {name} C={concurrency} T={temperature:g}: {wall:.2f} ms/step wall (unprofiled), "
+        f"{device_us / 1e3:.2f} ms/step on device"
+    )
     print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
     del llm, engine
@@ -69,10 +74,12 @@ def main() -> None:
     parser.add_argument("--config", nargs="+", default=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0])
     args = parser.parse_args()
-    for c in args.concurrency:
-        for name in args.config:
-            trace(name, c, args.steps, args.top)
+    for t in args.temperature:
+        for c in args.concurrency:
+            for name in args.config:
+                trace(name, c, args.steps, args.top, t)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,10 @@ from dspark.worker.transfer import Download, download, upload, upload_tensor
 
 MIN_CONFIDENCE = 1e-4  # a held draft keeps a positive survival: 0 means "no draft here" to allocate
 PAYS_REUSE = 8  # steps a "does drafting pay" answer is reused for at the same number of requests
+# ... and a plain answer priced with measured drafting costs (regime.Verdict with predictions): the level it is asked
+# for follows it without exploring for many steps, and recomputing it every 8 was ~0.07 ms a plain step at R = 256
+# on the 2-vCPU machine (benchmarks/host_step.py --spec --model-verdict), ~8% of the stub's host step.
+PREDICTED_PLAIN_REUSE = 64
 # CUDA: a plain step is timed only every few steps, except just after steps with drafts (a regime burst's plain steps
 # must be measured). Its two timing events, their query and the bookkeeping took 0.07 ms of a 1.9 ms plain step at
 # C = 16 on the H200 (benchmarks/gpu/step_profile.py: step_started 0.02, step_finished 0.05).
@@ -355,7 +359,8 @@ class VerificationPlanner:
                 verdict = drafting_verdict(self._stale_rows(self._rows(request_ids)), n, cost)
                 if not cost.validated:  # the predictions are the profile's guess: the regime explores early
                     verdict = Verdict(verdict.draft)
-                cached = (verdict, PAYS_REUSE, cost.num_surprises)
+                reuse = PREDICTED_PLAIN_REUSE if verdict.rate is not None and not verdict.draft else PAYS_REUSE
+                cached = (verdict, reuse, cost.num_surprises)
             self._pays_cache[n] = (cached[0], cached[1] - 1, cached[2])
             return cached[0]
 
