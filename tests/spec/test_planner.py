@@ -301,6 +301,28 @@ def test_a_block_without_drafts_does_not_stop_drafting_for_good() -> None:
     assert planner.should_draft(["a"])
 
 
+def test_continued_steps_price_both_regimes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling: a continued step is timed host to host. A plain one feeds the plain residual; one after which
+    the engine drafted (the first step of a drafting run, never event-timed) feeds the speculative one, so that the
+    next choice already knows what drafting costs (on the H200 at T = 1 it learned that a step later, after one more
+    drafting step)."""
+    import dspark.spec.planner as planner_module
+
+    clock = _Clock()
+    monkeypatch.setattr(planner_module, "time", clock)
+    cost = CostModel.from_points({1: 1.0, 64: 1.0}, {1: 0.5, 64: 0.5})
+    planner = VerificationPlanner(K, "async", 0.0, cost, CPU)
+    assert planner.cost is not None
+    for ms, drafted in [(0.0, False), (0.8, False), (0.8, False), (6.0, True)]:
+        clock.now += ms / 1e3
+        planner.continued_step_finished(16, 16, chain_goes_on=not drafted, drafted=drafted)
+    assert planner.cost.overhead_ms(16, speculative=False) == pytest.approx(-0.2)
+    assert planner.cost.validated
+    assert planner.cost.overhead_ms(16) == pytest.approx(6.0 - 1.5)  # measured minus the plain pass and drafting
+    assert planner.cost.num_surprises == 1
+    assert set(planner.regime.rates()[planner.regime.level(16)]) == {"plain"}  # a switching step: no spec rate
+
+
 def test_a_step_with_a_prompt_chunk_is_not_a_regime_measurement() -> None:
     """A prefill step is slow for reasons neither regime has: counted as a plain step it made plain decoding look
     slower than drafting on the H200 (a level's first step is its requests' prefill). Decode steps do count."""
