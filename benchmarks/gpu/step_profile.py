@@ -2,10 +2,11 @@
 
     python benchmarks/gpu/step_profile.py --device cuda --concurrency 1 256 --output step-profile.json
 
-Each configuration (no speculation, DSpark fixed k = 7, DSpark adaptive) gets one engine; C requests decode in
-steady state (ignore_eos, greedy) and N steps are timed with every phase wrapped. A phase's time includes what it
-waits for on the device (the step's one download wait sits in collect, launch (verification) or propose). With
-async scheduling (on by default on CUDA) a plain step's launch is of the next step, before this one is collected.
+Each configuration (no speculation, DSpark fixed k = 7, DSpark adaptive, adaptive held to drafting or to plain steps)
+gets one engine; C requests decode in steady state (ignore_eos, greedy unless --temperature) and N steps are timed
+with every phase wrapped. A phase's time includes what it waits for on the device (the step's one download wait sits
+in collect, launch (verification) or propose). With async scheduling (on by default on CUDA) a plain step's launch is
+of the next step, before this one is collected.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # adaptive verification on every step: the regime held to drafting, so that each step plans (budget choice and
     # allocation, phase planner.plan) where the measured regime would run plain steps
     "adaptive-drafting": {"method": "dspark", "num_speculative_tokens": 7},
+    # the regime held plain: what an adaptive engine's plain step costs beside a no-spec one (on the H200 at T = 1,
+    # C = 256, +0.27 ms of host time a step, session 6's plain_step_trace.py)
+    "adaptive-plain": {"method": "dspark", "num_speculative_tokens": 7},
 }
 
 
@@ -60,6 +64,7 @@ def profile(
     cprofile: int = 0,
     max_num_batched_tokens: int = 8192,
     output_kind: str = "final_only",
+    temperature: float = 0.0,
 ) -> dict[str, Any]:
     # A fixed KV cache: engines built one after another in one process must not size it from memory still held. It
     # holds every request's whole life (prompt, steps * 8 + 64 tokens, the drafter's lookahead) with room to spare.
@@ -78,7 +83,12 @@ def profile(
     if name == "adaptive-drafting":
         assert engine.planner is not None
         engine.planner.regime.choose = lambda num_requests, model_says_draft: True  # type: ignore[method-assign]
-    params = SamplingParams(temperature=0.0, max_tokens=steps * 8 + 64, ignore_eos=True, output_kind=output_kind)
+    if name == "adaptive-plain":
+        assert engine.planner is not None
+        engine.planner.regime.choose = lambda num_requests, model_says_draft: False  # type: ignore[method-assign]
+    params = SamplingParams(
+        temperature=temperature, max_tokens=steps * 8 + 64, ignore_eos=True, output_kind=output_kind
+    )
     for i in range(concurrency):
         engine.add_request(f"Question {i}: explain how a bicycle stays upright.", params)
     for _ in range(12):  # prefill and the first decode steps
@@ -145,7 +155,8 @@ def profile(
     phases = {k: v / steps * 1e3 for k, v in acc.most_common()}
     # the rest of step(): bookkeeping, drafting's own (plan.* sit inside planner.plan)
     phases["other"] = wall / steps * 1e3 - sum(v for k, v in phases.items() if not k.startswith("plan."))
-    row = {"config": name, "concurrency": concurrency, "step_ms": wall / steps * 1e3, "tokens_per_s": tokens / wall}
+    row = {"config": name, "concurrency": concurrency, "temperature": temperature, "step_ms": wall / steps * 1e3}
+    row["tokens_per_s"] = tokens / wall
     # requests in the timed steps (a row whose KV cache or token budget held requests back shows it here)
     row["num_running"] = len(engine.scheduler.running)
     row["max_num_batched_tokens"], row["output_kind"] = max_num_batched_tokens, output_kind
@@ -171,12 +182,20 @@ def main() -> None:
     parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the top N host functions")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--output-kind", default="final_only", choices=["final_only", "cumulative"])
+    parser.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (1: sampled rows)")
     args = parser.parse_args()
     rows = []
     for name in args.config:
         for c in args.concurrency:
             row = profile(
-                name, args.device, c, args.steps, args.cprofile, args.max_num_batched_tokens, args.output_kind
+                name,
+                args.device,
+                c,
+                args.steps,
+                args.cprofile,
+                args.max_num_batched_tokens,
+                args.output_kind,
+                args.temperature,
             )
             rows.append(row)
             phases = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
