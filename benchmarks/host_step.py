@@ -49,9 +49,10 @@ def host_ms(
         planner.regime.choose = lambda n, model_says: regime_choose(n, False) and False  # type: ignore[method-assign]
     elif engine.planner is not None:
         # The regime asks the cost model as on the H200 at a level that never measured drafting: the verdict computed
-        # (every PAYS_REUSE steps), then turned into "plain, drafting 10x slower" so that the stub never drafts.
+        # (then reused for PREDICTED_PLAIN_REUSE steps), turned into "plain, drafting 10x slower" so that the stub
+        # never drafts.
         assert engine.planner.cost is not None
-        engine.planner.cost.spec.count = max(engine.planner.cost.spec.count, 1)  # predictions are passed on
+        engine.planner.cost._spec_loads.append(1)  # "drafting measured at a lower load": predictions are passed on
 
         def verdict(*args: object) -> Verdict:
             v = drafting_verdict(*args)  # type: ignore[arg-type]

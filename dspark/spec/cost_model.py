@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, overload
@@ -172,10 +173,12 @@ class CostModel:
             return None
 
 
-OUTLIER_RATIO = 5.0  # measured steps slower than this multiple of the profiled prediction are not learned from
-SURPRISE = (
-    0.25  # a speculative step measured this far (relative) from its refined prediction moves the model's verdicts
-)
+# A step measured slower than this multiple of its refined prediction is learned from only if the regime's previous
+# step was such an outlier too: a one-off stall (a kernel compiling, a GC pause) says nothing about the next step, a
+# regime that really costs that much says it twice (a T = 1 drafting step cost 4-7x its profile on the H200).
+OUTLIER_RATIO = 5.0
+SURPRISE = 0.25  # a speculative step measured this far (relative) from its refined prediction moves the verdicts
+SPEC_LOADS = 8  # recent speculative steps whose request counts say at which loads drafting's cost was measured
 MIN_PLAIN_FRACTION = 0.5  # a plain step is never predicted below this share of its profiled time
 
 
@@ -207,14 +210,18 @@ class RefinedCostModel(CostModel):
     The profile times the runner alone (target pass, verification, drafting) on dummy greedy requests; a real step
     also pays per-request work outside it (scheduling, output processing, detokenising), real contexts and, at T > 0,
     the sampled drafts and verification. That residual, measured minus profiled, is fitted as a + b * num_requests by
-    exponentially weighted least squares, separately for speculative steps (they verified drafts or drafted) and
-    plain ones, and added to each regime's predictions.
+    exponentially weighted least squares, separately for speculative steps (they drafted, after verifying or not) and
+    plain ones (neither verified nor drafted), and added to each regime's predictions.
 
     NOTE: one residual for both regimes leaned the model towards drafting exactly where drafting costs most: adding the
     same milliseconds to both sides of "does drafting pay" shrinks their ratio. On the H200 at T = 1, C = 256, a
     drafting step took 9-18 ms against a 2.4 ms plain step (session 5, sampler-t1.json), where the profile saw a few
     milliseconds more than plain; the model kept saying draft, and each new load level of a sweep row's ramp drafted
     (0.85x of no-spec). Until a speculative step has been measured its residual is the plain one's.
+
+    The speculative residual is measured at some loads and extrapolated to others. `measured_at_or_below` says whether
+    a recent speculative step ran at this load or a lower one: then the prediction errs towards drafting being cheaper
+    than it is (drafting only gets dearer with load), so a "plain" verdict from it can be trusted.
 
     A plain residual may be negative (a pipelined plain step, measured host to host, overlaps the host's work with the
     device's, where the profile times a step run alone), down to MIN_PLAIN_FRACTION of the profiled time; a speculative
@@ -226,13 +233,23 @@ class RefinedCostModel(CostModel):
         self.plain = _Residual(decay)
         self.spec = _Residual(decay)
         self.num_surprises = 0  # speculative steps that differed from their refined prediction by more than SURPRISE
+        self._outlier = {True: False, False: False}  # regime -> its last step was an outlier, not learned from
+        self._spec_loads: deque[int] = deque(maxlen=SPEC_LOADS)
 
     def observe(self, num_requests: int, base_ms: float, measured_ms: float, speculative: bool) -> None:
-        if measured_ms > OUTLIER_RATIO * max(base_ms, 1e-3):
-            return  # a one-off stall (a kernel compiling, a GC pause) says nothing about the next step
+        predicted = base_ms + self.overhead_ms(num_requests, speculative)
         if speculative:
-            predicted = base_ms + self.overhead_ms(num_requests, speculative=True)
+            predicted = max(predicted, base_ms)
+        else:
+            predicted = max(predicted, MIN_PLAIN_FRACTION * base_ms)
+        outlier = measured_ms > OUTLIER_RATIO * max(predicted, 1e-3)
+        if outlier and not self._outlier[speculative]:
+            self._outlier[speculative] = True
+            return
+        self._outlier[speculative] = False
+        if speculative:
             self.num_surprises += abs(measured_ms - predicted) > SURPRISE * max(predicted, 1e-3)
+            self._spec_loads.append(num_requests)
         (self.spec if speculative else self.plain).add(num_requests, measured_ms - base_ms)
 
     @property
@@ -240,6 +257,10 @@ class RefinedCostModel(CostModel):
         """Whether speculative steps have been measured: the model's drafting costs are then its own, not the
         profile's plus the plain residual."""
         return self.spec.count > 0
+
+    def measured_at_or_below(self, num_requests: int) -> bool:
+        """Whether one of the last SPEC_LOADS speculative steps ran with at most num_requests requests."""
+        return any(r <= num_requests for r in self._spec_loads)
 
     def overhead_ms(self, num_requests: int, speculative: bool = True) -> float:
         if speculative:

@@ -129,7 +129,11 @@ class StepTiming:
             self.sum_error = [
                 a + b for a, b in zip(self.sum_error, (base, abs(base), refined, abs(refined)), strict=True)
             ]
-            cost.observe(t.num_requests, t.base_ms, measured, speculative=t.verified_drafts or t.drafted)
+            # NOTE: the speculative residual learns from steps that drafted (after verifying or not): a step that only
+            # verified, leaving a drafting run, has no drafting pass, and averaged in it made the next level's drafting
+            # look cheap again. Such steps teach neither residual.
+            if t.drafted or not t.verified_drafts:
+                cost.observe(t.num_requests, t.base_ms, measured, speculative=t.drafted)
             # NOTE: a step with a prompt chunk says nothing about either regime's decode rate. Counted as a plain step,
             # a level's first step (its requests' prefill: 16 tokens in ~15 ms at C = 16 on the H200) made plain
             # decoding look slower than drafting, and the level then drafted for most of a sweep row.
@@ -357,7 +361,10 @@ class VerificationPlanner:
             cached = self._pays_cache.get(n)
             if cached is None or cached[1] <= 0 or cached[2] != cost.num_surprises:
                 verdict = drafting_verdict(self._stale_rows(self._rows(request_ids)), n, cost)
-                if not cost.validated:  # the predictions are the profile's guess: the regime explores early
+                # NOTE: the predictions count only where drafting's cost was measured at this load or a lower one
+                # (else the profile's guess, or a cost measured at a higher load: a load that drops after a busy spell
+                # would take the residual of its busy steps, and not explore drafting where it pays).
+                if not cost.measured_at_or_below(n):
                     verdict = Verdict(verdict.draft)
                 reuse = PREDICTED_PLAIN_REUSE if verdict.rate is not None and not verdict.draft else PAYS_REUSE
                 cached = (verdict, reuse, cost.num_surprises)
@@ -476,7 +483,10 @@ class VerificationPlanner:
             return
         num_requests, num_tokens = self._shape
         base = self.cost.base.step_ms(num_requests if drafted else 0, num_tokens)
-        refined = base + self.cost.overhead_ms(num_requests, speculative=drafted or self._verified_drafts)
+        if drafted:
+            refined = base + self.cost.overhead_ms(num_requests)
+        else:  # the plain prediction with its floor, as planning uses it
+            refined = self.cost.plain_step_ms(num_requests, num_tokens)
         if isinstance(self._step_start, torch.cuda.Event):
             end: torch.cuda.Event | float = torch.cuda.Event(enable_timing=True)
             end.record()  # type: ignore[union-attr]

@@ -23,13 +23,14 @@ slower regime's step can last several of the faster one's, and each of its milli
 rate) of what the faster regime would have made.
 
 A level that follows the model because it has measured nothing yet explores drafting after FIRST_PERIOD steps,
-except where the model's plain verdict comes with predicted costs (a Verdict with rates: the planner gives them once
-speculative steps have been measured, so that the model's drafting costs are measured ones, not the profile's): the
-first burst is then spaced as measured rates would space it. NOTE: on the H200 at T = 1 a sweep row's ramp from 64 to
-256 requests crossed three load levels in a few steps each; each level explored drafting early, 10 drafting steps of
-9-18 ms against 2.4 ms plain ones, 0.85x of no-spec (session 5). The asymmetry is deliberate: the model's error leans
-to drafting (it cannot see a drafting step's host work), so a model that says plain while it knows drafting's measured
-cost is the trustworthy side, and a drafting verdict still explores plain steps (cheap) early.
+except where the model's plain verdict comes with predicted costs (a Verdict with rates): the first burst is then
+spaced as measured rates would space it. The planner gives predictions only where speculative steps were measured at
+this load or a lower one, so that the model's drafting cost comes from measurement and, drafting only getting dearer
+with load, errs low. NOTE: on the H200 at T = 1 a sweep row's ramp from 64 to 256 requests crossed three load levels
+in a few steps each; each level explored drafting early, 10 drafting steps of 9-18 ms against 2.4 ms plain ones,
+0.85x of no-spec (session 5). The asymmetry is deliberate: the model's error leans to drafting (it cannot see a
+drafting step's host work), so a model that says plain while it knows drafting's measured cost is the trustworthy
+side, and a drafting verdict still explores plain steps (cheap) early.
 
 The choice reads only past measurements and the load, never a draft, so verification stays lossless.
 """
@@ -48,8 +49,8 @@ DECAY = 0.8  # weight of the previous average per new steady step
 
 @dataclass(frozen=True)
 class Verdict:
-    """The cost model's answer to "does drafting pay at this load", with its predictions when the model has measured
-    speculative steps (None: the profile's guess alone)."""
+    """The cost model's answer to "does drafting pay at this load", with its predictions where the model measured
+    speculative steps at this load or a lower one (None: the profile's guess, or a cost measured at higher loads)."""
 
     draft: bool
     rate: dict[bool, float] | None = None  # drafting? -> predicted tokens/ms
