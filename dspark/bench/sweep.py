@@ -184,10 +184,16 @@ class Round:
     regime_steps: dict[int, dict[str, int]] | None = None
     # wall ms of each step, by what it ran (engine.step_kind): where a row's time went
     step_ms: dict[str, list[float]] = field(default_factory=dict)
+    # the speculative steps (they drafted or verified), in order: [step in the row, requests running, kind, wall ms],
+    # the first SPEC_STEPS_KEPT: when and at what load a row drafted
+    spec_steps: list[list[Any]] = field(default_factory=list)
 
     @property
     def output_throughput(self) -> float:
         return self.num_output_tokens / self.elapsed_s
+
+
+SPEC_STEPS_KEPT = 64
 
 
 def run_row(
@@ -206,14 +212,22 @@ def run_row(
         ids.append(engine.add_request(prompt_ids[i], dataclasses.replace(params, seed=i)))
 
     step_ms: dict[str, list[float]] = {}
+    spec_steps: list[list[Any]] = []
     start = time.perf_counter()
     while len(ids) < min(concurrency, len(prompt_ids)):
         submit()
     max_in_flight = engine.num_unfinished_requests
+    num_steps = 0
     while engine.has_unfinished_requests():
+        running = len(engine.scheduler.running)
         step_start = time.perf_counter()
         outputs = engine.step()
-        step_ms.setdefault(engine.last_step_kind, []).append((time.perf_counter() - step_start) * 1e3)
+        ms = (time.perf_counter() - step_start) * 1e3
+        kind = engine.last_step_kind
+        step_ms.setdefault(kind, []).append(ms)
+        if kind not in ("plain", "prefill") and len(spec_steps) < SPEC_STEPS_KEPT:
+            spec_steps.append([num_steps, running, kind, round(ms, 3)])
+        num_steps += 1
         for out in outputs:
             bar.update(len(out.new_token_ids))
             if out.finished:
@@ -246,6 +260,7 @@ def run_row(
         engine.planner.regime.rates() if engine.planner is not None and engine.planner.adaptive else None,
         _steps_delta(steps_before, _regime_steps(engine)),
         step_ms,
+        spec_steps,
     )
     return round_, token_ids
 
@@ -516,6 +531,8 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
                 }
                 for kind, ms in r.step_ms.items()
             },
+            # [step in the row, requests running, kind, wall ms] of its first speculative steps (the median round)
+            "spec_steps": r.spec_steps,
             # Greedy decoding must not change a token: "n/N" of this row's outputs equal no-spec's (temperature 0).
             "identical_to_no_spec": None,
         }

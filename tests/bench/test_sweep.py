@@ -60,6 +60,7 @@ ROW_KEYS = {
     "plan_time_fraction",
     "regime_tokens_per_ms",
     "regime_steps",
+    "spec_steps",
     "identical_to_no_spec",
 }
 
@@ -117,6 +118,11 @@ def test_rows(sweep: Sweep) -> None:
         kinds = row["step_ms_by_kind"]  # the engine's steps, each timed once under what it ran; hf has none
         assert sum(k["steps"] for k in kinds.values()) == (row["num_steps"] if row["arm"] != "hf" else 0)
         assert all(0 < k["median_ms"] <= k["max_ms"] <= k["total_ms"] for k in kinds.values())
+        # the row's speculative steps, in order, one entry per step of such a kind (fewer than SPEC_STEPS_KEPT here)
+        spec_kinds = ("draft", "verify", "verify+draft")
+        assert len(row["spec_steps"]) == sum(kinds.get(kind, {}).get("steps", 0) for kind in spec_kinds)
+        assert all(kind in spec_kinds and 0 < n <= row["concurrency"] for _, n, kind, _ in row["spec_steps"])
+        assert [i for i, *_ in row["spec_steps"]] == sorted({i for i, *_ in row["spec_steps"]})
         assert row["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN  # ignore_eos: every request runs to the end
         assert row["max_in_flight"] == row["concurrency"]  # the limit holds and is reached
         assert row["output_throughput"] > 0 and row["rounds_output_throughput"] == [row["output_throughput"]]
