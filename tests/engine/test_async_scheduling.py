@@ -395,19 +395,26 @@ def test_a_continued_step_that_drafts_is_not_measured_as_plain(
 ) -> None:
     """The regime ends a pipelined run by choosing to draft: that last continued step also runs the drafter, so its
     time is not a plain step's. It reaches the regime as a switching step (drafted, verified nothing), which the regime
-    does not count; plain continued steps do count."""
+    does not count; plain continued steps do count. Both reach the cost model: the drafting one as a speculative step
+    (the first of its drafting run, which no event times), the plain ones as plain steps."""
     model = str(tiny_model_dirs["llama"])
     llm = _alternating_dspark(model, tmp_path, dtype="float32", max_model_len=256, num_kv_blocks=256)
     engine, planner = llm.engine, llm.engine.planner
-    assert planner is not None
+    assert planner is not None and planner.cost is not None
     seen: list[tuple[str, bool, bool]] = []  # (what the step ran, verified, drafted) of what continued steps reported
-    observe, finished = planner.regime.observe, planner.continued_step_finished
+    priced: list[tuple[str, bool]] = []  # (what the step ran, speculative) of what they told the cost model
+    observe, finished, cost_observe = planner.regime.observe, planner.continued_step_finished, planner.cost.observe
     inside = {"on": False}
 
     def spy_observe(n: int, verified: bool, drafted: bool, tokens: int, ms: float) -> None:
         if inside["on"]:
             seen.append((engine.last_step_kind, verified, drafted))
         observe(n, verified, drafted, tokens, ms)
+
+    def spy_cost(n: int, base_ms: float, ms: float, speculative: bool) -> None:
+        if inside["on"]:
+            priced.append((engine.last_step_kind, speculative))
+        cost_observe(n, base_ms, ms, speculative)
 
     def spy_finished(*args: Any) -> None:
         inside["on"] = True
@@ -417,12 +424,15 @@ def test_a_continued_step_that_drafts_is_not_measured_as_plain(
             inside["on"] = False
 
     planner.regime.observe = spy_observe  # type: ignore[method-assign]
+    planner.cost.observe = spy_cost  # type: ignore[method-assign]
     planner.continued_step_finished = spy_finished  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     llm.generate(_prompts(11, [5, 9, 14]), params)
     kinds = {kind for kind, _, _ in seen}
     assert "draft" in kinds and "plain" in kinds, seen  # both happened and were reported
     assert all(drafted == (kind == "draft") and not verified for kind, verified, drafted in seen)
+    assert {kind for kind, _ in priced} == {"draft", "plain"}
+    assert all(speculative == (kind == "draft") for kind, speculative in priced), priced
 
 
 def _plain_adaptive_ngram(model: str, **kw: Any) -> LLM:
