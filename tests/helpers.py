@@ -113,9 +113,14 @@ def case_verdicts(run: Any, names: list[str]) -> dict[str, str]:
 
 
 def patch_triton_interpreter() -> None:
-    """Work around three bugs of the Triton 3.6 interpreter (not of the compiled kernels) (interpreter runs only).
+    """Work around three bugs of the Triton 3.6 interpreter (not of the compiled kernels) and one property of its dot
+    (interpreter runs only).
 
     - tl.dot multiplies bfloat16 operands as their raw uint16 bits: widen them to fp32 first (exact).
+    - tl.dot is numpy's matmul, whose summation order is the BLAS kernel's: with OpenBLAS on an AMD EPYC (session 6)
+      a row's bits depended on its position in the tile, so a kernel whose tiles never depend on the batch still
+      failed the batch-invariance checks. The dot is summed over K in order instead, one fp32 product and add at a
+      time for every element (as the kernels' per-element reduction order is fixed).
     - with NumPy >= 2.4, a loop bound loaded from memory (a 1-element array) cannot be used by range().
     - fp32 -> bf16 casts truncate (the cast passes no rounding mode, and the interpreter's round-to-nearest does not
       carry into the exponent): round to nearest even instead, as the GPU's cvt.rn.bf16.f32 does. Our kernels ask
@@ -137,8 +142,20 @@ def patch_triton_interpreter() -> None:
                 return x
             return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
 
-        def dot(self: object, a: interpreter.TensorHandle, b: interpreter.TensorHandle, *args: object) -> object:
-            return create_dot(self, widen(a), widen(b), *args)
+        def dot(
+            self: object,
+            a: interpreter.TensorHandle,
+            b: interpreter.TensorHandle,
+            d: interpreter.TensorHandle,
+            *args: object,
+        ) -> object:
+            a, b = widen(a), widen(b)
+            if a.data.dtype != np.float32 or b.data.dtype != np.float32 or d.data.dtype != np.float32:
+                return create_dot(self, a, b, d, *args)
+            acc = d.data.copy()
+            for k in range(a.data.shape[-1]):  # acc += a[:, k] b[k, :], in K order: the same sums for every element
+                acc += a.data[..., :, k, None] * b.data[..., None, k, :]
+            return interpreter.TensorHandle(acc, d.dtype.scalar)
 
         def patch_tensor_index(tensor: type, scope: interpreter._LangPatchScope) -> None:
             patch_tensor(tensor, scope)
