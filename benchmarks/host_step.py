@@ -49,8 +49,8 @@ def host_ms(
         planner.regime.choose = lambda n, model_says: regime_choose(n, False) and False  # type: ignore[method-assign]
     elif engine.planner is not None:
         # The regime asks the cost model as on the H200 at a level that never measured drafting: the verdict computed
-        # (then reused for PREDICTED_PLAIN_REUSE steps), turned into "plain, drafting 10x slower" so that the stub
-        # never drafts.
+        # (reused for PREDICTED_PLAIN_REUSE steps at the same request count; the stub's count moves during its ramp,
+        # so more often there), turned into "plain, drafting 10x slower" so that the stub never drafts.
         assert engine.planner.cost is not None
         engine.planner.cost._spec_loads.append(1)  # "drafting measured at a lower load": predictions are passed on
 

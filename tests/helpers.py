@@ -120,7 +120,9 @@ def patch_triton_interpreter() -> None:
     - tl.dot is numpy's matmul, whose summation order is the BLAS kernel's: with OpenBLAS on an AMD EPYC (session 6)
       a row's bits depended on its position in the tile, so a kernel whose tiles never depend on the batch still
       failed the batch-invariance checks. The dot is summed over K in order instead, one fp32 product and add at a
-      time for every element (as the kernels' per-element reduction order is fixed).
+      time for every element (as the kernels' per-element reduction order is fixed). NOTE: a chain of
+      `acc = tl.dot(a, b, acc)` then becomes one sequential sum over all of K, multiply then add (no FMA), so the
+      interpreter cannot catch a kernel whose BLOCK_K depended on the batch; the GPU cases can.
     - with NumPy >= 2.4, a loop bound loaded from memory (a 1-element array) cannot be used by range().
     - fp32 -> bf16 casts truncate (the cast passes no rounding mode, and the interpreter's round-to-nearest does not
       carry into the exponent): round to nearest even instead, as the GPU's cvt.rn.bf16.f32 does. Our kernels ask

@@ -10,8 +10,9 @@
 #   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1 and 16, async and sync
 #                 (prefill_profile.py) on the last GPU; the GPU tests on GPU 0.
 #   PHASE=plan   : planning's share of a drafting step at C = 256 and 1024 (step_profile.py adaptive-drafting).
-#   PHASE=hostgap: adaptive's plain step against no-spec's at C = 256, T = 1 (step_profile.py, adaptive-plain, with
-#                 the top host functions): session 6 found it +0.27 ms on the host, not attributed.
+#   PHASE=hostgap: adaptive's plain steps against no-spec's at C = 256, T = 1 (HOSTGAP_T=0: greedy), with the top host
+#                 functions (step_profile.py --cprofile): adaptive with its regime free (it asks the cost model, as in
+#                 the sweep; it does not draft there) and held plain. Session 6: +0.27 ms on the host, not attributed.
 #   PHASE=invariant: batch_invariant mode (--batch-invariant): no-spec, fixed-7 and adaptive at C = 1, 16, 256 (T = 0,
 #                 greedy identity with no-spec per row), then no-spec without it at the same C: the mode's cost.
 #   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
@@ -108,7 +109,7 @@ elif [ "$PHASE" = plan ]; then
   on 0 170 python benchmarks/gpu/step_profile.py --device cuda --concurrency 256 1024 --config adaptive-drafting \
     no-spec --steps 20 --output "$OUT/step-profile-plan.json" 2>&1 | quiet | grep -v "^ *$" | tail -12
 elif [ "$PHASE" = hostgap ]; then
-  for cfg in no-spec adaptive-plain; do
+  for cfg in no-spec adaptive adaptive-plain; do
     on 0 170 python benchmarks/gpu/step_profile.py --device cuda --concurrency 256 --config $cfg --steps 60 \
       --temperature "${HOSTGAP_T:-1}" --cprofile 30 --output "$OUT/hostgap-$cfg.json" > "$OUT/hostgap-$cfg.log" 2>&1
     grep "C=256" "$OUT/hostgap-$cfg.log"

@@ -184,8 +184,9 @@ class Round:
     regime_steps: dict[int, dict[str, int]] | None = None
     # wall ms of each step, by what it ran (engine.step_kind): where a row's time went
     step_ms: dict[str, list[float]] = field(default_factory=dict)
-    # the speculative steps (they drafted or verified), in order: [step in the row, requests running, kind, wall ms],
-    # the first SPEC_STEPS_KEPT: when and at what load a row drafted
+    # the speculative steps (they drafted or verified; a step with a prompt chunk counts as "prefill", not here), in
+    # order: [step in the row, requests running before it, kind, wall ms], the first SPEC_STEPS_KEPT: when and at what
+    # load a row drafted
     spec_steps: list[list[Any]] = field(default_factory=list)
 
     @property
@@ -194,6 +195,7 @@ class Round:
 
 
 SPEC_STEPS_KEPT = 64
+SPEC_KINDS = ("draft", "verify", "verify+draft")  # engine.step_kind of a speculative step
 
 
 def run_row(
@@ -219,13 +221,13 @@ def run_row(
     max_in_flight = engine.num_unfinished_requests
     num_steps = 0
     while engine.has_unfinished_requests():
-        running = len(engine.scheduler.running)
+        running = len(engine.scheduler.running)  # before the step: admissions in it are not counted
         step_start = time.perf_counter()
         outputs = engine.step()
         ms = (time.perf_counter() - step_start) * 1e3
         kind = engine.last_step_kind
         step_ms.setdefault(kind, []).append(ms)
-        if kind not in ("plain", "prefill") and len(spec_steps) < SPEC_STEPS_KEPT:
+        if kind in SPEC_KINDS and len(spec_steps) < SPEC_STEPS_KEPT:
             spec_steps.append([num_steps, running, kind, round(ms, 3)])
         num_steps += 1
         for out in outputs:
@@ -533,6 +535,8 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
             },
             # [step in the row, requests running, kind, wall ms] of its first speculative steps (the median round)
             "spec_steps": r.spec_steps,
+            # each round's number of speculative steps (drafted or verified, no prompt chunk), in round order
+            "rounds_spec_steps": [sum(len(x.step_ms.get(k, [])) for k in SPEC_KINDS) for x in rounds],
             # Greedy decoding must not change a token: "n/N" of this row's outputs equal no-spec's (temperature 0).
             "identical_to_no_spec": None,
         }

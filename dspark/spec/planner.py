@@ -532,6 +532,7 @@ class VerificationPlanner:
             # choice that followed that step. On the H200 at T = 1, C = 64 (session 6) a row drafted in 6 steps
             # (2 entering, 3 verifying and drafting, 1 leaving: 5.3, 8.0 and 4.8 ms medians against 1.4 ms plain
             # steps), 0.93x of no-spec; with the first step measured, a run that should not draft can end after it.
+            # Only below OUTLIER_RATIO: a first step at 5x its refined prediction or more waits for a second one.
             base = self.cost.base
             if drafted:
                 self.cost.observe(num_requests, base.step_ms(num_requests, num_requests), ms, True)

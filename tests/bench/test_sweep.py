@@ -61,6 +61,7 @@ ROW_KEYS = {
     "regime_tokens_per_ms",
     "regime_steps",
     "spec_steps",
+    "rounds_spec_steps",
     "identical_to_no_spec",
 }
 
@@ -123,6 +124,7 @@ def test_rows(sweep: Sweep) -> None:
         assert len(row["spec_steps"]) == sum(kinds.get(kind, {}).get("steps", 0) for kind in spec_kinds)
         assert all(kind in spec_kinds and 0 < n <= row["concurrency"] for _, n, kind, _ in row["spec_steps"])
         assert [i for i, *_ in row["spec_steps"]] == sorted({i for i, *_ in row["spec_steps"]})
+        assert row["rounds_spec_steps"] == [len(row["spec_steps"])]  # one round
         assert row["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN  # ignore_eos: every request runs to the end
         assert row["max_in_flight"] == row["concurrency"]  # the limit holds and is reached
         assert row["output_throughput"] > 0 and row["rounds_output_throughput"] == [row["output_throughput"]]
