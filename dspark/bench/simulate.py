@@ -36,7 +36,7 @@ from dspark.spec.scheduling import (
     allocate,
     choose_budget,
     choose_budget_sync,
-    drafting_pays,
+    drafting_verdict,
     smooth_confidences,
     survival,
 )
@@ -267,7 +267,7 @@ def _prior_conditionals(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tenso
 
 
 def _drafts_at_all(policies: Sequence[str], step: StepInputs, counts: torch.Tensor, cost: CostModel) -> torch.Tensor:
-    """[P] whether each policy runs the drafter this step. The adaptive modes ask drafting_pays on stale survivals
+    """[P] whether each policy runs the drafter this step. The adaptive modes ask drafting_verdict on stale survivals
     (as the engine does); SmartSpec drafts unless its batch-wide k is 0; the oracle drafts only when its known-good
     drafts beat no speculation; fixed k always drafts, no-spec never."""
     num_reqs = step.num_drafts.numel()
@@ -276,7 +276,7 @@ def _drafts_at_all(policies: Sequence[str], step: StepInputs, counts: torch.Tens
         if name == "no-spec":
             out.append(False)
         elif name in ("adaptive-async", "adaptive-sync"):
-            out.append(drafting_pays(step.stale, num_reqs, cost))
+            out.append(drafting_verdict(step.stale, num_reqs, cost).draft)
         elif name == "smartspec":
             out.append(bool(c.sum() > 0))
         elif name == "oracle":

@@ -103,7 +103,7 @@ class LLMEngine:
         if self.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
             # NOTE: with the model on the GPU, the host's tensor work is small ([R, K] survivals, sampling rows), and a
             # pool of CPU threads per op only adds wake-ups and contention with other processes (on the H200 host,
-            # adaptive's C = 512 rows went from 0.28x to 0.92x of no-spec together with the lazy drafting_pays; the two
+            # adaptive's C = 512 rows went from 0.28x to 0.92x of no-spec with the lazy drafting choice; the two
             # were not measured apart). OMP_NUM_THREADS set by the user wins.
             logger.info("CUDA engine: torch CPU threads %d -> 1 (OMP_NUM_THREADS overrides)", torch.get_num_threads())
             torch.set_num_threads(1)

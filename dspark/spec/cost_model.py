@@ -252,12 +252,6 @@ class RefinedCostModel(CostModel):
             self._spec_loads.append(num_requests)
         (self.spec if speculative else self.plain).add(num_requests, measured_ms - base_ms)
 
-    @property
-    def validated(self) -> bool:
-        """Whether speculative steps have been measured: the model's drafting costs are then its own, not the
-        profile's plus the plain residual."""
-        return self.spec.count > 0
-
     def measured_at_or_below(self, num_requests: int) -> bool:
         """Whether one of the last SPEC_LOADS speculative steps ran with at most num_requests requests."""
         return any(r <= num_requests for r in self._spec_loads)

@@ -39,8 +39,8 @@ from dspark.worker.transfer import Download, download, upload, upload_tensor
 MIN_CONFIDENCE = 1e-4  # a held draft keeps a positive survival: 0 means "no draft here" to allocate
 PAYS_REUSE = 8  # steps a "does drafting pay" answer is reused for at the same number of requests
 # ... and a plain answer priced with measured drafting costs (regime.Verdict with predictions): the level it is asked
-# for follows it without exploring for many steps, and recomputing it every 8 was ~0.07 ms a plain step at R = 256
-# on the 2-vCPU machine (benchmarks/host_step.py --spec --model-verdict), ~8% of the stub's host step.
+# for follows it without exploring for many steps. One verdict took ~0.2 ms at R = 256 on the 2-vCPU machine (cProfile
+# of benchmarks/host_step.py --spec --model-verdict: 109 calls, 22.6 ms), ~0.03 ms a plain step when recomputed every 8.
 PREDICTED_PLAIN_REUSE = 64
 # CUDA: a plain step is timed only every few steps, except just after steps with drafts (a regime burst's plain steps
 # must be measured). Its two timing events, their query and the bookkeeping took 0.07 ms of a 1.9 ms plain step at

@@ -160,16 +160,6 @@ def flat_layout(
     return query_start.to(torch.int32), positions, blocks * block_size + positions % block_size
 
 
-def drafting_pays(
-    survival: torch.Tensor,  # [R, K] host, stale (or last known) survivals of the requests about to draft
-    num_other_tokens: int,  # T of the step the drafts would be verified in
-    cost: CostModel,
-    margin: float = 0.05,
-) -> bool:
-    """Whether drafting for these requests is worth its cost at all (drafting_verdict)."""
-    return drafting_verdict(survival, num_other_tokens, cost, margin).draft
-
-
 def drafting_verdict(
     survival: torch.Tensor,  # [R, K] host, stale (or last known) survivals of the requests about to draft
     num_other_tokens: int,  # T of the step the drafts would be verified in

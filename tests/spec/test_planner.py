@@ -15,7 +15,7 @@ from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
 from dspark.spec.cost_model import OUTLIER_RATIO, CostModel, RefinedCostModel
 from dspark.spec.planner import VerificationPlanner
 from dspark.spec.regime import BURST, FIRST_PERIOD
-from dspark.spec.scheduling import drafting_pays
+from dspark.spec.scheduling import drafting_verdict
 
 K = 4
 CPU = torch.device("cpu")
@@ -133,10 +133,10 @@ def test_drafting_stops_when_the_drafter_costs_more_than_its_drafts_return() -> 
     cheap = CostModel.from_points(verify, {1: 0.1, 64: 0.5})
     dear = CostModel.from_points(verify, {1: 0.1, 64: 8.0})
     poor = torch.full((64, K), 0.1).cumprod(dim=1)  # 64 requests, 0.11 tokens per request from verifying every draft
-    assert drafting_pays(poor, 64, cheap)  # 71 tokens in 10.5 ms against 64 in 10
-    assert not drafting_pays(poor, 64, dear)  # 71 in 18 ms: no speculation is better
+    assert drafting_verdict(poor, 64, cheap).draft  # 71 tokens in 10.5 ms against 64 in 10
+    assert not drafting_verdict(poor, 64, dear).draft  # 71 in 18 ms: no speculation is better
     good = torch.full((64, K), 0.9).cumprod(dim=1)
-    assert drafting_pays(good, 64, dear)  # 64 + 220 tokens in 18 ms
+    assert drafting_verdict(good, 64, dear).draft  # 64 + 220 tokens in 18 ms
 
 
 def test_drafts_without_confidences_learn_acceptance_per_stratum() -> None:
@@ -175,13 +175,13 @@ def test_the_refined_cost_learns_the_overhead_outside_the_profile_per_regime() -
     assert refined.step_ms(8, 16) == base.step_ms(8, 16)
     for r in [1, 8, 64, 8, 1, 64] * 10:
         refined.observe(r, base.plain_step_ms(r, r), base.plain_step_ms(r, r) + 2.0 + 0.05 * r, speculative=False)
-    assert not refined.validated
+    assert not refined.spec.count
     assert refined.overhead_ms(32, speculative=False) == pytest.approx(2.0 + 0.05 * 32)
     assert refined.overhead_ms(32) == pytest.approx(2.0 + 0.05 * 32)  # speculative: the plain residual, for now
     assert refined.step_ms(32, 40) == pytest.approx(base.step_ms(32, 40) + 3.6)
     for r in [1, 8, 64, 8, 1, 64] * 10:
         refined.observe(r, base.step_ms(r, r), base.step_ms(r, r) + 6.0 + 0.1 * r, speculative=True)
-    assert refined.validated
+    assert refined.spec.count
     assert refined.overhead_ms(32) == pytest.approx(6.0 + 0.1 * 32)
     assert refined.step_ms(32, 40) == pytest.approx(base.step_ms(32, 40) + 9.2)
     assert refined.plain_step_ms(32, 40) == pytest.approx(base.plain_step_ms(32, 40) + 3.6)
@@ -210,7 +210,7 @@ def test_the_refined_cost_ignores_one_off_stalls_but_learns_a_regime_that_costs_
     base = CostModel.from_points({1: 5.0, 1024: 5.0}, {1: 1.0, 1024: 1.0})
     refined = RefinedCostModel(base)
     refined.observe(8, 6.0, 2000.0, speculative=True)  # a kernel compiling
-    assert refined.overhead_ms(8) == 0.0 and not refined.validated
+    assert refined.overhead_ms(8) == 0.0 and not refined.spec.count
     refined.observe(8, 6.0, 7.0, speculative=True)
     assert refined.overhead_ms(8) == pytest.approx(1.0)
     refined.observe(8, 6.0, 7.0, speculative=True)
@@ -308,7 +308,7 @@ def test_a_ramp_drafts_once_where_measured_drafting_costs_more_than_the_profile_
     of the time between (the first comes after ~200 steps here). Here a drafting step costs 4x or 7x a plain one (7x
     is beyond the outlier ratio: it is learned from its second step) for ~2 tokens per request."""
     choices, planner = _ramp(monkeypatch, draft_cost=draft_cost, conf=0.5)
-    assert planner.cost is not None and planner.cost.validated
+    assert planner.cost is not None and planner.cost.spec.count
     assert choices[0]  # the profile's verdict, before anything is measured
     first = 1 if draft_cost < OUTLIER_RATIO else 2  # the drafting run's steps before its cost is learned
     assert not any(choices[first:200]), [i for i, c in enumerate(choices) if c]
@@ -373,7 +373,7 @@ def test_continued_steps_price_both_regimes(monkeypatch: pytest.MonkeyPatch) -> 
         clock.now += ms / 1e3
         planner.continued_step_finished(16, 16, chain_goes_on=not drafted, drafted=drafted)
     assert planner.cost.overhead_ms(16, speculative=False) == pytest.approx(-0.2)
-    assert planner.cost.validated
+    assert planner.cost.spec.count
     assert planner.cost.overhead_ms(16) == pytest.approx(6.0 - 1.5)  # measured minus the plain pass and drafting
     assert planner.cost.num_surprises == 1
     assert set(planner.regime.rates()[planner.regime.level(16)]) == {"plain"}  # a switching step: no spec rate
