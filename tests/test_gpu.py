@@ -132,6 +132,37 @@ def test_cuda_sampling_draws_what_a_one_row_draw_gives() -> None:
     assert got == want
 
 
+def test_cuda_verify_plain_gives_verifys_tokens() -> None:
+    """verify_plain decides every request on the device, drawing each request's residual and bonus rows in batches
+    of another composition than verify() draws them: at SmolLM2's vocabulary and 256 requests, the tokens must be
+    the same (a per-row scan whatever the batch)."""
+    import random
+
+    from dspark.spec.verify import VerifyRow, verify, verify_plain
+    from dspark.worker.sampler import Sampler, SamplingRow
+
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    for method in ("probabilistic", "strict"):
+        lens = [rng.randint(0, 7) for _ in range(256)]
+        temps = [rng.choice([0.0, 0.7, 1.0]) for _ in lens]
+        logits = (torch.randn(sum(lens) + len(lens), 49152, generator=gen) * 6).cuda()
+        q = torch.softmax(logits[: sum(lens)] + torch.randn(sum(lens), 49152, generator=gen).cuda(), dim=-1)
+        tops = logits.argmax(-1).tolist()
+        rows, samp, t_row = [], [], 0
+        for n, t in zip(lens, temps, strict=True):
+            seed, first = rng.randint(-(2**63), 2**63 - 1), rng.randint(0, 300)
+            drafts = [tops[t_row + j] if rng.random() < 0.6 else rng.randrange(49152) for j in range(n)]
+            rows.append(VerifyRow(seed, first, drafts, t == 0.0))
+            samp += [SamplingRow(t, 0, 1.0, 0.0, seed, first + j, [], []) for j in range(n + 1)]
+            t_row += n + 1
+        draft_probs = q if method == "probabilistic" else None
+        want = verify(Sampler().target_probs(logits, samp), draft_probs, rows, method)
+        accepted, last = verify_plain(logits, draft_probs, rows, temps, method)
+        got = [[*r.draft_tokens[:a], x] for r, a, x in zip(rows, accepted.tolist(), last.tolist(), strict=True)]
+        assert got == want
+        assert sum(len(o) - 1 for o in want) > 50  # drafts were accepted, not only corrected (378 - 256 on the H200)
+
+
 def test_cuda_graphs_give_the_eager_tokens(tmp_path: Path) -> None:
     """fp32 greedy: the captured decode, verification and drafting passes emit what the eager ones emit, and they
     were used."""

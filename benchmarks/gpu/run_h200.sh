@@ -7,8 +7,11 @@
 #                 then sweeps no-spec and adaptive at C = 1, 16, 256, 1024 (T = 0, one wave).
 #   PHASE=quiet  : no-spec, no-spec:sync, adaptive, fixed-1 at C = 1..1024, 3 rounds, T = 0 (with hf at C = 256) on
 #                 GPU 0 and T = 1 on the last, nothing else running (the goal's comparison; async scheduling's gain).
+#                 QUIET_ARMS and QUIET_REPEATS change the arms and the rounds.
 #   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1 and 16, async and sync
 #                 (prefill_profile.py) on the last GPU; the GPU tests on GPU 0.
+#   PHASE=verify : verify_plain against verify()'s row-by-row path (step_profile.py fixed-k configs) at C = 1, 64, 256
+#                 and T = 1, 0, then session 6's t1-check, on the last GPU; the GPU tests on GPU 0.
 #   PHASE=plan   : planning's share of a drafting step at C = 256 and 1024 (step_profile.py adaptive-drafting).
 #   PHASE=hostgap: adaptive's plain steps against no-spec's at C = 256, T = 1 (HOSTGAP_T=0: greedy), with the top host
 #                 functions (step_profile.py --cprofile): adaptive with its regime free (it asks the cost model, as in
@@ -81,8 +84,9 @@ elif [ "$PHASE" = quiet ]; then
   for i in 0 "$LAST"; do
     t=$([ "$i" = 0 ] && echo 0 || echo 1); hf=$([ "$i" = 0 ] && echo "--hf-concurrency 256")
     case " ${QUIET_TEMPS:-0 1} " in *" $t "*) ;; *) continue ;; esac
-    (on "$i" "${QUIET_S:-540}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" --arm no-spec \
-      --arm no-spec:sync --arm adaptive --arm fixed-1 --concurrency 1 16 64 256 1024 --temperature "$t" --repeats 3 \
+    arms=$(for a in ${QUIET_ARMS:-no-spec no-spec:sync adaptive fixed-1}; do printf -- "--arm %s " "$a"; done)
+    (on "$i" "${QUIET_S:-540}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" $arms \
+      --concurrency 1 16 64 256 1024 --temperature "$t" --repeats "${QUIET_REPEATS:-3}" \
       --output-len 256 --waves 1 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.6 $hf --data-dir "$DATA" \
       --output-json "$OUT/quiet-t$t.json" --output-md "$OUT/quiet-t$t.md" --output-plot "$OUT/quiet-t$t.png" 2>&1 \
       | quiet > "$OUT/quiet-t$t.log") &
@@ -103,6 +107,28 @@ elif [ "$PHASE" = prefill ]; then
   wait
   grep -A1 "prefill step" "$OUT"/prefill-profile*.log
   cat "$OUT/gpu-tests.log"
+elif [ "$PHASE" = verify ]; then
+  # Session 7: verification decided on the device (verify_plain) against the row-by-row path (verify()), the same
+  # engines otherwise: fixed-1 and fixed-7 at C = 1, 64, 256, both temperatures, on the last GPU; the GPU tests on
+  # GPU 0. Then a fresh engine's first row at T = 1 (the t1-check of session 6) on the last GPU.
+  (on 0 420 python -m pytest -q -m gpu tests/test_batch_invariant_mode.py tests/test_gpu.py \
+    tests/models/test_fused_ops.py 2>&1 | quiet | tail -30 > "$OUT/gpu-tests.log") &
+  (
+    for t in 1 0; do
+      on "$LAST" 200 python benchmarks/gpu/step_profile.py --device cuda --concurrency 1 64 256 --steps 30 \
+        --config fixed-1 fixed-1-rowwise fixed-7 fixed-7-rowwise --temperature $t \
+        --output "$OUT/verify-profile-t$t.json" 2>&1 | quiet | grep -v "^ *$" > "$OUT/verify-profile-t$t.log"
+    done
+    on "$LAST" "${T1CHECK_S:-150}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" \
+      --arm no-spec --arm adaptive --concurrency 64 256 --temperature 1 --repeats 3 --output-len 256 --waves 1 \
+      --max-num-batched-tokens 8192 --gpu-memory-utilization 0.6 --data-dir "$DATA" --output-json "$OUT/t1-check.json" \
+      --output-md "$OUT/t1-check.md" 2>&1 | quiet > "$OUT/t1-check.log"
+  ) &
+  wait
+  cp "${DSPARK_CACHE:-$HOME/.cache/dspark}"/cost_models/*.json "$OUT/" 2>/dev/null
+  cat "$OUT/gpu-tests.log"
+  grep "ms/step\|by kind" "$OUT"/verify-profile-t*.log
+  grep ROW "$OUT/t1-check.log" | sed 's/ ROW.*//'; cat "$OUT/t1-check.md"
 elif [ "$PHASE" = plan ]; then
   # The goal "budget choice and allocation under 2% of a step at C = 1024": every step plans (the regime held to
   # drafting); plan.choose_budget and plan.allocate are timed on their own. Nothing else runs.

@@ -31,6 +31,10 @@ from dspark.spec.drafter import Proposal
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "no-spec": None,
     "fixed-7": {"method": "dspark", "num_speculative_tokens": 7, "enable_adaptive_verification": False},
+    "fixed-1": {"method": "dspark", "num_speculative_tokens": 1, "enable_adaptive_verification": False},
+    # verification decided row by row on the host (verify()), as before verify_plain: the same tokens
+    "fixed-7-rowwise": {"method": "dspark", "num_speculative_tokens": 7, "enable_adaptive_verification": False},
+    "fixed-1-rowwise": {"method": "dspark", "num_speculative_tokens": 1, "enable_adaptive_verification": False},
     "adaptive": {"method": "dspark", "num_speculative_tokens": 7},
     # adaptive verification on every step: the regime held to drafting, so that each step plans (budget choice and
     # allocation, phase planner.plan) where the measured regime would run plain steps
@@ -80,6 +84,7 @@ def profile(
         speculative_config=CONFIGS[name],
     )
     engine = llm.engine
+    engine.runner.plain_verify = not name.endswith("-rowwise")
     if name == "adaptive-drafting":
         assert engine.planner is not None
         engine.planner.regime.choose = lambda num_requests, model_says_draft: True  # type: ignore[method-assign]

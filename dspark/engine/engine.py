@@ -499,7 +499,7 @@ class LLMEngine:
             if continued:
                 self.planner.continued_step_finished(num_live, num_emitted, bool(self._inflight), drafted)
             else:
-                self.planner.step_finished(drafted, num_emitted)
+                self.planner.step_finished(drafted, num_emitted, chain_starts=self._inflight is not None)
         if self.trace is not None and records:
             self.trace.step(
                 self.stats["num_steps"], sched.num_tokens - sum(r["num_verified"] for r in records), records

@@ -476,9 +476,17 @@ class VerificationPlanner:
         else:
             self._step_start = time.perf_counter()
 
-    def step_finished(self, drafted: bool, num_emitted: int) -> None:
+    def step_finished(self, drafted: bool, num_emitted: int, chain_starts: bool = False) -> None:
         """After the step's drafting: its measured time against the cost model's prediction for what it ran (the
-        target pass, and the drafter's pass if it drafted), which also refines the model online."""
+        target pass, and the drafter's pass if it drafted), which also refines the model online.
+
+        chain_starts: the next step was launched before this one was collected (async scheduling), so this one is not
+        timed; the next is, from now, as continued steps are timed from one another (continued_step_finished).
+        NOTE: without it the first continued step of every pipelined run went unmeasured, and a regime burst of plain
+        steps (a switching step, then two plain ones, the first launched alone) measured none: on the H200 at T = 1
+        a fresh engine's C = 64 row, whose model said draft, found no plain rate at its level for 20 steps and
+        drafted in 25 of them (session 7's t1-check, 0.69x of no-spec)."""
+        self._last_continued = time.perf_counter() if chain_starts else None
         if self._shape is None or self._step_start is None or self.cost is None:
             return
         num_requests, num_tokens = self._shape

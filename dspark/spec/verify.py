@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from dspark.worker.sampler import Sampler, inverse_cdf, uniform, uniforms
-from dspark.worker.transfer import download, upload
+from dspark.config import GREEDY_BELOW
+from dspark.worker.sampler import Sampler, inverse_cdf, inverse_cdf_rows, uniform, uniforms
+from dspark.worker.transfer import download, upload, upload_tensor
 
 METHODS = ("probabilistic", "strict")
 ACCEPT_STREAM = 1
@@ -146,3 +148,140 @@ def _residuals(
     residual = torch.where(empty, p[t_rows].double(), residual)
     us = uniforms([seeds[i] for i, *_ in rejected], [n for *_, n in rejected], RESIDUAL_STREAM)
     return download(_SAMPLER.draw(residual, us))[0]
+
+
+def verify_plain(
+    logits: torch.Tensor,  # [>= sum(l_r + 1), vocab] fp32 raw logits: rows of request r back to back, bonus row last
+    draft_probs: torch.Tensor | None,  # [sum(l_r), vocab]; None for strict verification or all-greedy rows
+    rows: list[VerifyRow],
+    temperatures: list[float],  # per request (greedy rows' is not read)
+    method: str = "probabilistic",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify() for requests whose sampling is a temperature alone or greedy (no top-k/p, min-p, penalties, banned
+    tokens): the same tokens as verify(Sampler.target_probs(logits, rows), ...), decided on the device in batched
+    kernels. Returns (drafts accepted [R], the corrected or bonus token [R]), int64 on logits' device, not waited for:
+    request r emits draft_tokens[:accepted] and then that token.
+
+    NOTE: verify() decides row by row on the host: a SamplingRow per verified position, a Python loop over every
+    draft with two scalar uniforms each, and a second device round trip for the residual draws. At C = 256 and
+    k = 7 that is ~2000 positions a step. Here the host only lays out index arrays (numpy) and uniforms; every
+    decision reads the same values (the softmax of the same rows, the same fp64 products and draws) as verify(), so
+    the tokens are the same bits: each draw scans its own row, whatever other rows are drawn beside it."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: one of {', '.join(METHODS)}")
+    greedy = np.array([r.greedy for r in rows], dtype=bool)
+    if method == "probabilistic" and draft_probs is None and not greedy.all():
+        raise ValueError("probabilistic verification of sampled rows needs the draft distributions")
+    if len(temperatures) != len(rows):
+        raise ValueError(f"{len(temperatures)} temperatures for {len(rows)} requests")
+    num_reqs = len(rows)
+    lens = np.array([len(r.draft_tokens) for r in rows], dtype=np.int64)
+    num_drafts = int(lens.sum())
+    n = num_drafts + num_reqs
+    if logits.shape[0] < n:
+        raise ValueError(f"logits has {logits.shape[0]} rows, the drafts need {n}")
+    if draft_probs is not None and method == "probabilistic" and draft_probs.shape[0] != num_drafts:
+        raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows, the drafts need {num_drafts}")
+    k = max(1, int(lens.max(initial=0)))
+    t_start = np.concatenate([[0], np.cumsum(lens + 1)[:-1]]).astype(np.int64)
+    d_start = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    j = np.arange(k, dtype=np.int64)
+    valid = j[None, :] < lens[:, None]  # [R, k]: the verified positions
+    # Padding positions point at a real row (the bonus row; the last draft row) and are masked by `valid`.
+    t_index = t_start[:, None] + np.minimum(j[None, :], lens[:, None])
+    d_index = np.minimum(
+        d_start[:, None] + np.minimum(j[None, :], np.maximum(lens - 1, 0)[:, None]), max(num_drafts - 1, 0)
+    )
+    drafts = np.zeros((num_reqs, k), dtype=np.int64)
+    if num_drafts:
+        drafts[valid] = np.concatenate([r.draft_tokens for r in rows if r.draft_tokens])
+    seeds = np.array([r.seed for r in rows], dtype=np.int64)
+    firsts = np.array([r.first_counter for r in rows], dtype=np.int64)
+    bonus = t_start + lens
+    sampled = ~greedy
+    # The rows a plain draw is read at: every row of a sampled request under strict verification, only its bonus row
+    # under probabilistic (greedy requests read the argmax).
+    if not sampled.any():
+        need = np.zeros(0, dtype=np.int64)
+    elif method == "strict":
+        need = np.concatenate([np.arange(t_start[r], bonus[r] + 1) for r in np.flatnonzero(sampled)])
+    else:
+        need = bonus[sampled]
+    req_of = np.repeat(np.arange(num_reqs), lens + 1)[need]
+    residual_reqs = np.flatnonzero(sampled & (lens > 0)) if method == "probabilistic" else np.zeros(0, np.int64)
+    # NOTE: everything the device needs in two copies (one int64, one fp64), sliced there: at C = 1 a dozen separate
+    # uploads cost more host time than verify()'s whole row-by-row loop.
+    ints = _Packed([t_index, drafts, valid, d_index, lens, bonus, sampled, need, residual_reqs], np.int64)
+    floats = [
+        np.repeat([max(t, GREEDY_BELOW) for t in temperatures], lens + 1),
+        uniforms(seeds[req_of], firsts[req_of] + (need - t_start[req_of])),
+    ]
+    if residual_reqs.size:
+        floats.append(uniforms(np.repeat(seeds, k), (firsts[:, None] + j).reshape(-1), ACCEPT_STREAM))
+        counters = (firsts[residual_reqs, None] + j).reshape(-1)
+        floats.append(uniforms(np.repeat(seeds[residual_reqs], k), counters, RESIDUAL_STREAM))
+    fl = _Packed(floats, np.float64)
+    dev = logits.device
+    ints_dev, fl_dev = ints.upload(dev), fl.upload(dev)
+    t_dev, x, valid_dev, d_dev, lens_dev, bonus_dev, sampled_dev, need_dev, residual_dev = (
+        ints.part(ints_dev, i) for i in range(9)
+    )
+    t_dev, x, valid_dev, d_dev = (t.view(num_reqs, k) for t in (t_dev, x, valid_dev, d_dev))
+
+    tops = logits[:n].argmax(dim=-1)
+    plain = tops
+    probs = None
+    if sampled.any():
+        # the softmax Sampler.probabilities takes (its temperatures fp32, greedy rows at GREEDY_BELOW)
+        probs = torch.softmax(logits[:n] / fl.part(fl_dev, 0).float()[:, None], dim=-1)
+        plain = tops.clone()
+        plain[need_dev] = _draw(probs[need_dev], fl.part(fl_dev, 1))
+    choice = plain[t_dev]  # [R, k]: what greedy and strict verification compare each draft with, and emit instead
+    accept = choice == x
+    if residual_reqs.size:
+        assert draft_probs is not None and probs is not None
+        # NOTE: u * q < p in fp64, as verify() compares Python floats (exact when q(x) = 0).
+        p_x = probs[t_dev, x].double()
+        q_x = draft_probs[d_dev, x].double()
+        by_ratio = fl.part(fl_dev, 2).view(num_reqs, k) * q_x < p_x
+        accept = torch.where(sampled_dev[:, None] != 0, by_ratio, accept)
+    accept &= valid_dev != 0
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # the leading run of acceptances
+    at = num_accepted.clamp(max=k - 1)[:, None]
+    corrected = choice.gather(1, at).squeeze(1)
+    if residual_reqs.size:
+        assert draft_probs is not None and probs is not None
+        # The rejections' corrections, a sample of normalise(max(p - q, 0)) at the first rejected position, drawn for
+        # every sampled request that verified drafts (those that accepted all of them do not read theirs).
+        at_sub = at[residual_dev]
+        t_rej = t_dev[residual_dev].gather(1, at_sub).squeeze(1)
+        d_rej = d_dev[residual_dev].gather(1, at_sub).squeeze(1)
+        p_rej = probs[t_rej].double()
+        residual = (p_rej - draft_probs[d_rej].double()).clamp_(min=0.0)
+        residual = torch.where(residual.sum(dim=-1, keepdim=True) <= 0.0, p_rej, residual)
+        u_rej = fl.part(fl_dev, 3).view(-1, k).gather(1, at_sub).squeeze(1)
+        corrected[residual_dev] = _draw(residual, u_rej)
+    last = torch.where(num_accepted == lens_dev, plain[bonus_dev], corrected)
+    return num_accepted, last
+
+
+class _Packed:
+    """Host arrays laid end to end for one upload, then sliced apart on the device."""
+
+    def __init__(self, parts: list[np.ndarray], dtype: type) -> None:
+        flat = [np.asarray(a).reshape(-1).astype(dtype, copy=False) for a in parts]
+        self.offsets = np.concatenate([[0], np.cumsum([a.size for a in flat])]).tolist()
+        self.host = np.concatenate(flat) if flat else np.zeros(0, dtype=dtype)
+
+    def upload(self, device: torch.device) -> torch.Tensor:
+        return upload_tensor(torch.from_numpy(self.host), device)
+
+    def part(self, on_device: torch.Tensor, i: int) -> torch.Tensor:
+        return on_device[self.offsets[i] : self.offsets[i + 1]]
+
+
+def _draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token at quantile u[i] (fp64) of p[i], as Sampler.draw draws it (row by row on CPU)."""
+    if p.device.type == "cpu":
+        return torch.tensor([inverse_cdf(p[i], float(u[i])) for i in range(p.shape[0])], dtype=torch.int64)
+    return inverse_cdf_rows(p, u)

@@ -20,13 +20,13 @@ from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM
 from dspark.spec.drafter import Drafter, Proposal
 from dspark.spec.kernels import triton_available
-from dspark.spec.verify import VerifyRow, verify
+from dspark.spec.verify import VerifyRow, verify, verify_plain
 from dspark.worker.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache, slots_for
 from dspark.worker.attention.torch_ref import TorchAttention
 from dspark.worker.cuda_graphs import GraphRunner
 from dspark.worker.numerics import padded_rows
 from dspark.worker.sampler import SampledRow, Sampler, SamplingRow
-from dspark.worker.transfer import Download, upload, upload_tensor
+from dspark.worker.transfer import Download, download, upload, upload_tensor
 
 LogitsOf = Callable[[list[int]], torch.Tensor]  # the step's fp32 logits of these flattened rows (padding allowed)
 
@@ -100,7 +100,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.drafter = drafter
         self.verify_method = verify_method
-        self._draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, vocab] of its pending drafts
+        # request id -> (a drafting pass's [R, k, vocab] distributions, the request's row): its pending drafts'
+        self._draft_probs: dict[str, tuple[torch.Tensor, int]] = {}
+        # verify_plain where every request allows it (benchmarks/gpu/step_profile.py turns it off to time verify()'s
+        # row-by-row path beside it)
+        self.plain_verify = True
         self.graphs: GraphRunner | None = None
         if device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
             from dspark.worker.attention.triton_backend import TritonAttention
@@ -298,6 +302,8 @@ class ModelRunner:
         """Every sampling request verifies its l drafts (0..K) on its last l + 1 rows, each row shaped by the same
         sampling row the plain sampler would use at that output position."""
         sampling = [(r, s) for r, s in enumerate(sched.scheduled) if s.samples]
+        if self.plain_verify and all(_plain_verify(s.request) for _, s in sampling):
+            return self._verify_plain(sampling, logits_of, query_start)
         logit_rows: list[int] = []
         rows: list[SamplingRow] = []
         vrows: list[VerifyRow] = []
@@ -310,7 +316,7 @@ class ModelRunner:
         target_probs = self.sampler.target_probs(logits[: len(rows)], rows)
         draft_probs = None
         if self.verify_method == "probabilistic" and not all(v.greedy for v in vrows):
-            draft_probs = torch.cat([self._pending_probs(s) for _, s in sampling])
+            draft_probs = self._pending_probs(sampling)
         emitted = verify(target_probs, draft_probs, vrows, self.verify_method)
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.num_logprobs is not None for r in rows) else None
@@ -326,19 +332,58 @@ class ModelRunner:
             first += len(s.spec_token_ids) + 1
         return out
 
-    def _pending_probs(self, s: ScheduledRequest) -> torch.Tensor:
-        n = len(s.spec_token_ids)
-        if not n:
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        probs = self._draft_probs.get(s.request.request_id)
-        if probs is None:
+    def _verify_plain(
+        self, sampling: list[tuple[int, ScheduledRequest]], logits_of: LogitsOf, query_start: list[int]
+    ) -> RunnerOutput:
+        """_verify for requests that sample with a temperature alone or greedily (plain_greedy, plain_temperature, no
+        logprobs): decided on the device (verify_plain), the host reads two numbers a request in one copy."""
+        logit_rows: list[int] = []
+        vrows: list[VerifyRow] = []
+        for r, s in sampling:
+            n = len(s.spec_token_ids)
+            logit_rows += range(query_start[r + 1] - n - 1, query_start[r + 1])
+            p = s.request.sampling_params
+            vrows.append(
+                VerifyRow(s.request.seed, s.request.num_output_tokens, s.spec_token_ids, p.temperature < GREEDY_BELOW)
+            )
+        draft_probs = None
+        if self.verify_method == "probabilistic" and not all(v.greedy for v in vrows):
+            draft_probs = self._pending_probs(sampling)
+        temps = [s.request.sampling_params.temperature for _, s in sampling]
+        accepted, last = download(*verify_plain(logits_of(logit_rows), draft_probs, vrows, temps, self.verify_method))
+        out = RunnerOutput({})
+        for (_, s), v, a, token in zip(sampling, vrows, accepted, last, strict=True):
+            rid = s.request.request_id
+            out.sampled[rid] = [SampledRow(t) for t in v.draft_tokens[:a]] + [SampledRow(token)]
+            if s.spec_token_ids:
+                out.num_accepted[rid] = a
+        return out
+
+    def _pending_probs(self, sampling: list[tuple[int, ScheduledRequest]]) -> torch.Tensor:
+        """[sum of drafts, vocab]: the distribution each verified draft was drawn from, requests back to back."""
+        vocab = self.model.config.vocab_size
+        held = [self._draft_probs.get(s.request.request_id) for _, s in sampling]
+        first = held[0]
+        if first is not None and all(h is not None and h[0] is first[0] for h in held):
+            # Drafted in one pass (the steady state): one gather, not a slice per request and a cat of them all (at
+            # C = 256 those were ~500 small host ops a step).
+            k = first[0].shape[1]
+            rows = [h[1] for h in held if h is not None]
+            flat = [r * k + j for r, (_, s) in zip(rows, sampling, strict=True) for j in range(len(s.spec_token_ids))]
+            return first[0].view(-1, vocab)[upload(flat, torch.int64, self.device)]
+        parts = []
+        for h, (_, s) in zip(held, sampling, strict=True):
+            n = len(s.spec_token_ids)
+            if h is not None or not n:
+                parts.append(h[0][h[1], :n] if h is not None else torch.empty(0, vocab, device=self.device))
+                continue
             # Drafted in an all-greedy pass, verified beside a sampled row: greedy rows are verified by argmax and
             # never read their distribution, which that pass did not compute.
             assert sampling_row(s.request).greedy, (
                 f"request {s.request.request_id}: sampled drafts without a distribution"
             )
-            return torch.zeros(n, self.model.config.vocab_size, device=self.device)
-        return probs[:n]
+            parts.append(torch.zeros(n, vocab, device=self.device))
+        return torch.cat(parts)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> Proposal:
@@ -347,7 +392,7 @@ class ModelRunner:
         proposal = self.drafter.propose(requests)
         for i, req in enumerate(requests):
             if proposal.probs is not None:
-                self._draft_probs[req.request_id] = proposal.probs[i]
+                self._draft_probs[req.request_id] = (proposal.probs, i)
             else:  # an all-greedy pass: an older pass's distribution must not pass for this one's
                 self._draft_probs.pop(req.request_id, None)
         return proposal
@@ -382,6 +427,13 @@ def plain_temperature(req: Request, num_drafts: int = 0) -> bool:
         and not p.has_penalties
         and req.num_output_tokens + num_drafts >= p.min_tokens
     )
+
+
+def _plain_verify(req: Request) -> bool:
+    """Whether verification may take verify_plain for the request: every verified position samples with a
+    temperature alone or greedily, and no logprobs are returned (plain_greedy / plain_temperature at the first
+    position hold at every later one: min_tokens only gets reached)."""
+    return req.sampling_params.logprobs is None and (plain_greedy(req) or plain_temperature(req))
 
 
 def sampling_row(req: Request, drafts: list[int] | None = None) -> SamplingRow:

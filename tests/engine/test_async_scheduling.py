@@ -435,6 +435,40 @@ def test_a_continued_step_that_drafts_is_not_measured_as_plain(
     assert all(speculative == (kind == "draft") for kind, speculative in priced), priced
 
 
+def test_every_plain_step_of_a_pipelined_run_is_measured(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A pipelined run starts with a step launched alone, whose successor is launched before it is collected: that
+    successor is timed from the first step's end, like every later continued step from its predecessor's. Before, the
+    first continued step of each run went unmeasured, and a regime burst of plain steps (a switching step, then two
+    plain ones) reached the regime with no plain measurement at all (session 7, on the H200: a fresh engine's C = 64
+    row drafted in 25 steps, its level's plain rate unknown)."""
+    model = str(tiny_model_dirs["llama"])
+    llm = _alternating_dspark(model, tmp_path, dtype="float32", max_model_len=256, num_kv_blocks=256)
+    engine, planner = llm.engine, llm.engine.planner
+    assert planner is not None
+    continued_plain, measured_plain = [0], [0]
+    observe, finished = planner.regime.observe, planner.continued_step_finished
+    inside = {"on": False}
+
+    def spy_observe(n: int, verified: bool, drafted: bool, tokens: int, ms: float) -> None:
+        if inside["on"] and engine.last_step_kind == "plain" and not verified and not drafted and ms > 0:
+            measured_plain[0] += 1
+        observe(n, verified, drafted, tokens, ms)
+
+    def spy_finished(num_requests: int, num_emitted: int, chain_goes_on: bool, drafted: bool) -> None:
+        continued_plain[0] += not drafted
+        inside["on"] = True
+        try:
+            finished(num_requests, num_emitted, chain_goes_on, drafted)
+        finally:
+            inside["on"] = False
+
+    planner.regime.observe = spy_observe  # type: ignore[method-assign]
+    planner.continued_step_finished = spy_finished  # type: ignore[method-assign]
+    llm.generate(_prompts(13, [6, 11]), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    # every pipelined run here is one step launched alone and continued steps: each continued plain step is measured
+    assert continued_plain[0] >= 10 and measured_plain[0] == continued_plain[0]
+
+
 def _plain_adaptive_ngram(model: str, **kw: Any) -> LLM:
     """Adaptive n-gram speculation held in its plain regime: every decode step that can be pipelined is."""
     llm = LLM(

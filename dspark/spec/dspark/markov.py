@@ -110,8 +110,12 @@ def sample_block_with(
         top = torch.argmax(logits[:num_reqs], dim=-1)
         if u_all is not None:
             q = torch.softmax(logits[:num_reqs] / temps[:, None], dim=-1)
-            # NOTE: torch.where, not q[greedy] = ...: boolean indexing waits for the device to count the mask.
-            q = torch.where(greedy[:, None], torch.nn.functional.one_hot(top, q.shape[-1]).to(q.dtype), q)
+            # Greedy rows one-hot at their argmax, in place: masked_fill_ and a one-column scatter, not a one_hot
+            # ([R, vocab] int64, then a cast) and a where over the whole table, each pass as large as the softmax.
+            # NOTE: masks, not q[greedy] = ...: boolean indexing waits for the device to count the mask.
+            q.masked_fill_(greedy[:, None], 0.0)
+            at_top = top[:, None]
+            q.scatter_(1, at_top, torch.where(greedy[:, None], 1.0, q.gather(1, at_top)))
             x = torch.where(greedy, top, inverse_cdf_rows(q, u_all[:, j]))
             probs.append(q)
         else:
