@@ -134,17 +134,17 @@ def test_cuda_sampling_draws_what_a_one_row_draw_gives() -> None:
 
 def test_cuda_verify_plain_gives_verifys_tokens() -> None:
     """verify_plain decides every request on the device, drawing each request's residual and bonus rows in batches
-    of another composition than verify() draws them: at SmolLM2's vocabulary and 256 requests, the tokens must be
-    the same (a per-row scan whatever the batch)."""
+    of another composition than verify() draws them: at SmolLM2's vocabulary the tokens must be the same (a per-row
+    scan whatever the batch). 256 mixed requests; one sampled request alone with 0-7 drafts (a one-row draw, which
+    CUDA scans with another kernel unless padded); one sampled request among greedy ones."""
     import random
 
     from dspark.spec.verify import VerifyRow, verify, verify_plain
     from dspark.worker.sampler import Sampler, SamplingRow
 
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
-    for method in ("probabilistic", "strict"):
-        lens = [rng.randint(0, 7) for _ in range(256)]
-        temps = [rng.choice([0.0, 0.7, 1.0]) for _ in lens]
+
+    def check(lens: list[int], temps: list[float], method: str) -> int:
         logits = (torch.randn(sum(lens) + len(lens), 49152, generator=gen) * 6).cuda()
         q = torch.softmax(logits[: sum(lens)] + torch.randn(sum(lens), 49152, generator=gen).cuda(), dim=-1)
         tops = logits.argmax(-1).tolist()
@@ -159,8 +159,17 @@ def test_cuda_verify_plain_gives_verifys_tokens() -> None:
         want = verify(Sampler().target_probs(logits, samp), draft_probs, rows, method)
         accepted, last = verify_plain(logits, draft_probs, rows, temps, method)
         got = [[*r.draft_tokens[:a], x] for r, a, x in zip(rows, accepted.tolist(), last.tolist(), strict=True)]
-        assert got == want
-        assert sum(len(o) - 1 for o in want) > 50  # drafts were accepted, not only corrected (378 - 256 on the H200)
+        assert got == want, (lens, temps, method)
+        return sum(len(o) - 1 for o in want)
+
+    for method in ("probabilistic", "strict"):
+        lens = [rng.randint(0, 7) for _ in range(256)]
+        accepted = check(lens, [rng.choice([0.0, 0.7, 1.0]) for _ in lens], method)
+        assert accepted > 50  # drafts were accepted, not only corrected (378 - 256 on the H200)
+        for n in range(8):
+            for _ in range(4):
+                check([n], [1.0], method)
+                check([3, n, 2], [0.0, 0.8, 0.0], method)
 
 
 def test_cuda_graphs_give_the_eager_tokens(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@
 #                 QUIET_ARMS and QUIET_REPEATS change the arms and the rounds.
 #   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1 and 16, async and sync
 #                 (prefill_profile.py) on the last GPU; the GPU tests on GPU 0.
-#   PHASE=verify : verify_plain against verify()'s row-by-row path (step_profile.py fixed-k configs) at C = 1, 64, 256
-#                 and T = 1, 0, then session 6's t1-check, on the last GPU; the GPU tests on GPU 0.
+#   PHASE=verify : the GPU tests on GPU 0; session 6's t1-check (a fresh engine's first row, T = 1) on the last GPU.
+#   PHASE=ab     : verify_plain against verify()'s row-by-row path (step_profile.py fixed-k configs) at C = 1, 64,
+#                 256, T = 1 then 0, alone on the last GPU.
 #   PHASE=plan   : planning's share of a drafting step at C = 256 and 1024 (step_profile.py adaptive-drafting).
 #   PHASE=hostgap: adaptive's plain steps against no-spec's at C = 256, T = 1 (HOSTGAP_T=0: greedy), with the top host
 #                 functions (step_profile.py --cprofile): adaptive with its regime free (it asks the cost model, as in
@@ -108,27 +109,27 @@ elif [ "$PHASE" = prefill ]; then
   grep -A1 "prefill step" "$OUT"/prefill-profile*.log
   cat "$OUT/gpu-tests.log"
 elif [ "$PHASE" = verify ]; then
-  # Session 7: verification decided on the device (verify_plain) against the row-by-row path (verify()), the same
-  # engines otherwise: fixed-1 and fixed-7 at C = 1, 64, 256, both temperatures, on the last GPU; the GPU tests on
-  # GPU 0. Then a fresh engine's first row at T = 1 (the t1-check of session 6) on the last GPU.
+  # Session 7: the GPU tests on GPU 0; on the last GPU a fresh engine's first row at T = 1 (session 6's t1-check:
+  # no-spec and adaptive at C = 64 and 256 after a 4-token warm-up, 3 rounds), which counts the steps that drafted.
   (on 0 420 python -m pytest -q -m gpu tests/test_batch_invariant_mode.py tests/test_gpu.py \
     tests/models/test_fused_ops.py 2>&1 | quiet | tail -30 > "$OUT/gpu-tests.log") &
-  (
-    for t in 1 0; do
-      on "$LAST" 200 python benchmarks/gpu/step_profile.py --device cuda --concurrency 1 64 256 --steps 30 \
-        --config fixed-1 fixed-1-rowwise fixed-7 fixed-7-rowwise --temperature $t \
-        --output "$OUT/verify-profile-t$t.json" 2>&1 | quiet | grep -v "^ *$" > "$OUT/verify-profile-t$t.log"
-    done
-    on "$LAST" "${T1CHECK_S:-150}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" \
-      --arm no-spec --arm adaptive --concurrency 64 256 --temperature 1 --repeats 3 --output-len 256 --waves 1 \
-      --max-num-batched-tokens 8192 --gpu-memory-utilization 0.6 --data-dir "$DATA" --output-json "$OUT/t1-check.json" \
-      --output-md "$OUT/t1-check.md" 2>&1 | quiet > "$OUT/t1-check.log"
-  ) &
+  (on "$LAST" "${T1CHECK_S:-300}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" \
+    --arm no-spec --arm adaptive --concurrency 64 256 --temperature 1 --repeats 3 --output-len 256 --waves 1 \
+    --max-num-batched-tokens 8192 --gpu-memory-utilization 0.6 --data-dir "$DATA" --output-json "$OUT/t1-check.json" \
+    --output-md "$OUT/t1-check.md" 2>&1 | quiet > "$OUT/t1-check.log") &
   wait
   cp "${DSPARK_CACHE:-$HOME/.cache/dspark}"/cost_models/*.json "$OUT/" 2>/dev/null
   cat "$OUT/gpu-tests.log"
-  grep "ms/step\|by kind" "$OUT"/verify-profile-t*.log
   grep ROW "$OUT/t1-check.log" | sed 's/ ROW.*//'; cat "$OUT/t1-check.md"
+elif [ "$PHASE" = ab ]; then
+  # Session 7: verification decided on the device (verify_plain) against the row-by-row path (verify(), configs
+  # *-rowwise), fixed-1 and fixed-7 at C = 1, 64, 256 (AB_TEMPS: 1 0), alone on the last GPU, the two paths alternating.
+  for t in ${AB_TEMPS:-1 0}; do
+    on "$LAST" "${AB_S:-250}" python benchmarks/gpu/step_profile.py --device cuda --concurrency 1 64 256 --steps 30 \
+      --config fixed-1-rowwise fixed-1 fixed-7-rowwise fixed-7 --temperature $t \
+      --output "$OUT/verify-profile-t$t.json" 2>&1 | quiet | grep -v "^ *$" > "$OUT/verify-profile-t$t.log"
+  done
+  grep "ms/step" "$OUT"/verify-profile-t*.log
 elif [ "$PHASE" = plan ]; then
   # The goal "budget choice and allocation under 2% of a step at C = 1024": every step plans (the regime held to
   # drafting); plan.choose_budget and plan.allocate are timed on their own. Nothing else runs.

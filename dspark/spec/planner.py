@@ -34,7 +34,7 @@ from dspark.spec.cost_model import CostModel, RefinedCostModel
 from dspark.spec.regime import RegimeChooser, Verdict
 from dspark.spec.scheduling import allocate, choose_budget, choose_budget_sync, drafting_verdict
 from dspark.train.calibrate import NUM_BINS
-from dspark.worker.transfer import Download, download, upload, upload_tensor
+from dspark.worker.transfer import download, upload, upload_tensor
 
 MIN_CONFIDENCE = 1e-4  # a held draft keeps a positive survival: 0 means "no draft here" to allocate
 PAYS_REUSE = 8  # steps a "does drafting pay" answer is reused for at the same number of requests
@@ -54,7 +54,7 @@ class _Copy:
     """An asynchronous device-to-host copy of one step's survivals."""
 
     slots: list[int]  # the requests' rows in the planner's tables when the copy was made
-    host: torch.Tensor  # [R, K]
+    host: torch.Tensor  # [R, 2K]: the survivals, then the raw confidences (what record() reads)
     event: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
     generations: np.ndarray  # [R] int64: each row's generation when the copy was made (a row released since moved on)
 
@@ -66,19 +66,19 @@ class CalibrationMonitor:
     num_blocks: int = 0
     predicted: float = 0.0  # sum over verified blocks of the survivals of their verified slots
     realised: float = 0.0  # sum of their accepted drafts
-    bin_count: torch.Tensor = field(default_factory=lambda: torch.zeros(NUM_BINS, dtype=torch.float64))
-    bin_predicted: torch.Tensor = field(default_factory=lambda: torch.zeros(NUM_BINS, dtype=torch.float64))
-    bin_realised: torch.Tensor = field(default_factory=lambda: torch.zeros(NUM_BINS, dtype=torch.float64))
+    bin_count: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
+    bin_predicted: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
+    bin_realised: np.ndarray = field(default_factory=lambda: np.zeros(NUM_BINS))
 
     def add_blocks(
-        self, survivals: torch.Tensor, outcomes: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor
+        self, survivals: np.ndarray, outcomes: np.ndarray, verified: np.ndarray, accepted: np.ndarray
     ) -> None:
         """Many blocks at once: survivals and outcomes ([m] fp64 / bool) of all their verified slots, flattened;
         verified and accepted ([n, 1]) per block. Blocks that verified nothing do not count."""
-        bins = (survivals * NUM_BINS).long().clamp_(0, NUM_BINS - 1)
-        self.bin_count += torch.bincount(bins, minlength=NUM_BINS).double()
-        self.bin_predicted += torch.bincount(bins, weights=survivals, minlength=NUM_BINS)
-        self.bin_realised += torch.bincount(bins, weights=outcomes.double(), minlength=NUM_BINS)
+        bins = np.clip((survivals * NUM_BINS).astype(np.int64), 0, NUM_BINS - 1)
+        self.bin_count += np.bincount(bins, minlength=NUM_BINS)
+        self.bin_predicted += np.bincount(bins, weights=survivals, minlength=NUM_BINS)
+        self.bin_realised += np.bincount(bins, weights=outcomes.astype(np.float64), minlength=NUM_BINS)
         counted = verified > 0
         self.num_blocks += int(counted.sum())
         self.predicted += float(survivals.sum())
@@ -87,7 +87,7 @@ class CalibrationMonitor:
     @property
     def ece(self) -> float:
         total = float(self.bin_count.sum())
-        return float((self.bin_predicted - self.bin_realised).abs().sum()) / total if total else 0.0
+        return float(np.abs(self.bin_predicted - self.bin_realised).sum()) / total if total else 0.0
 
 
 @dataclass
@@ -181,7 +181,6 @@ class VerificationPlanner:
         self._slot: dict[str, int] = {}  # request id -> its row
         self._free: list[int] = []
         self._smoothed = torch.zeros(0, num_spec_tokens, device=device)  # [N, K] smoothed confidences
-        self._raw = torch.zeros(0, num_spec_tokens, device=device)  # [N, K] pending drafts' confidences, unsmoothed
         self._live = torch.zeros(0, num_spec_tokens, device=device)  # [N, K] survivals of the pending drafts
         self._stale = torch.zeros(0, num_spec_tokens, dtype=torch.float64)  # [N, K] host survivals, a step or two old
         self._has_stale = torch.zeros(0, dtype=torch.bool)  # [N] host: the row of _stale is known
@@ -189,6 +188,10 @@ class VerificationPlanner:
         self._pending: set[str] = set()  # requests with live drafts not yet verified or dropped
         self._stratum: dict[str, int] = {}
         self._copies: deque[_Copy] = deque()
+        # request id -> (the copy of its pending drafts' survivals and confidences, its row there): what record() reads
+        # on the host, with no copy or device op of its own (on the H200 host its gathers, copy and wait were ~0.5 ms
+        # of a fixed-7 step at C = 1, benchmarks/gpu/step_profile.py)
+        self._published: dict[str, tuple[_Copy, int]] = {}
         self._generation = np.zeros(0, dtype=np.int64)  # [N] times each row was released
         self._prior = 0.5 ** torch.arange(1, num_spec_tokens + 1, dtype=torch.float64)  # before any survival is seen
         # Conditional acceptance per stratum and position: reached (every earlier draft accepted) and accepted counts.
@@ -242,7 +245,7 @@ class VerificationPlanner:
         def pad(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t, t.new_zeros(more, *t.shape[1:])])
 
-        self._smoothed, self._raw, self._live = pad(self._smoothed), pad(self._raw), pad(self._live)
+        self._smoothed, self._live = pad(self._smoothed), pad(self._live)
         self._stale, self._has_stale = pad(self._stale), pad(self._has_stale)
         self._generation = np.concatenate([self._generation, np.zeros(more, dtype=np.int64)])
         self._free.extend(range(n + more - 1, n - 1, -1))
@@ -269,10 +272,9 @@ class VerificationPlanner:
             if current.shape[1] < k:
                 current = torch.cat([current, current.new_zeros(current.shape[0], k - current.shape[1])], dim=1)
         current = current.clamp(MIN_CONFIDENCE, 1.0)
-        index = upload(slots, torch.int64, current.device)
-        held = (
-            torch.arange(k, device=current.device)[None, :] < upload(num_drafts, torch.int64, current.device)[:, None]
-        )
+        packed = upload(slots + num_drafts, torch.int64, current.device)  # one copy: each costs ~20 us on the host
+        index = packed[: len(slots)]
+        held = torch.arange(k, device=current.device)[None, :] < packed[len(slots) :, None]
         # NOTE: learned rates are already averages over many blocks: smoothing them again only mixes in a stale
         # stratum (measured: alpha 0 predicts n-gram acceptance best at every batch size, README).
         has = [rid in self._history for rid in request_ids]
@@ -286,25 +288,28 @@ class VerificationPlanner:
             smoothed = current
         live = torch.where(held, torch.cumprod(smoothed, dim=1), 0.0)
         self._smoothed[index] = smoothed
-        self._raw[index] = current
         self._live[index] = live
         self._history.update(request_ids)
         self._pending.update(request_ids)
-        self._publish(slots, live)
+        copy = self._publish(slots, torch.cat([live, current], dim=1))
+        for i, rid in enumerate(request_ids):
+            self._published[rid] = (copy, i)
 
-    def _publish(self, slots: list[int], live: torch.Tensor) -> None:
+    def _publish(self, slots: list[int], both: torch.Tensor) -> _Copy:
         if not self.adaptive:
             # NOTE: nothing harvests the copies in fixed mode (there is no budget to choose); they used to pile up,
-            # [R, K] of pinned memory a step, for as long as the engine ran.
+            # [R, 2K] of pinned memory a step, for as long as the engine ran. record() keeps its own references.
             self._copies.clear()
-        if live.is_cuda:
-            host = torch.empty(live.shape, dtype=live.dtype, pin_memory=True)
-            host.copy_(live, non_blocking=True)
+        if both.is_cuda:
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._copies.append(_Copy(slots, host, event, self._generation[slots]))
+            copy = _Copy(slots, host, event, self._generation[slots])
         else:
-            self._copies.append(_Copy(slots, live.clone(), None, self._generation[slots]))
+            copy = _Copy(slots, both.clone(), None, self._generation[slots])
+        self._copies.append(copy)
+        return copy
 
     def _harvest(self, newest_too: bool = False) -> int:
         """Take in the copies older than the newest one (with newest_too, the newest as well) whose transfer has
@@ -316,7 +321,7 @@ class VerificationPlanner:
         while len(self._copies) > keep and (self._copies[0].event is None or self._copies[0].event.query()):
             copy = self._copies.popleft()
             taken += 1
-            host = copy.host.numpy()
+            host = copy.host.numpy()[:, : self.k]
             # NOTE: a block without drafts (no n-gram match) says nothing about how good drafts would be; taken in,
             # its zeros would stop drafting for the request for good (no draft, no newer block to learn from).
             held = host[:, 0] > 0
@@ -328,7 +333,7 @@ class VerificationPlanner:
             self._stale.numpy()[index] = host[take]
             self._has_stale.numpy()[index] = True
             if held.any():  # requests without a stale row start from the recent mean
-                self._prior = 0.9 * self._prior + 0.1 * copy.host[torch.from_numpy(held)].double().mean(dim=0)
+                self._prior = 0.9 * self._prior + 0.1 * torch.from_numpy(host[held]).double().mean(dim=0)
         if taken:
             self._prepared = None  # chosen from the rows as they were before
         return taken
@@ -551,23 +556,33 @@ class VerificationPlanner:
     # ---- 3. after verifying -------------------------------------------------------------------------------------
 
     def record(self, outcomes: list[tuple[str, int, int]], trace: bool = False) -> list[dict[str, object]]:
-        """The step's verified blocks, (request id, drafts verified, drafts accepted) each: one device-to-host copy for
-        all of them. Returns their trace records when asked (raw confidences, counts)."""
+        """The step's verified blocks, (request id, drafts verified, drafts accepted) each, read against the survivals
+        and confidences observe() copied to the host when they were drafted (that copy finished before verification
+        did: no device op or wait here). Returns their trace records when asked (raw confidences, counts)."""
         known = [(rid, v, a) for rid, v, a in outcomes if rid in self._pending]
         if not known:
             return []
         self._pending.difference_update(rid for rid, _, _ in known)
-        index = upload([self._slot[rid] for rid, _, _ in known], torch.int64, self.device)
-        # NOTE: the one copy, and the step's wait for it (an event, not a stream sync).
-        host_t = Download(torch.cat([self._live[index], self._raw[index]], dim=1).double()).wait()[0]
+        held = [self._published.pop(rid) for rid, _, _ in known]
+        first = held[0][0]
+        if all(c is first for c, _ in held):  # drafted in one pass (the steady state): one gather
+            if first.event is not None:
+                first.event.synchronize()  # NOTE: done long ago (the verification's wait came after it)
+            host_t = first.host.numpy()[[i for _, i in held]].astype(np.float64)
+        else:
+            for c, _ in held:
+                if c.event is not None:
+                    c.event.synchronize()
+            host_t = np.stack([c.host.numpy()[i] for c, i in held]).astype(np.float64)
         k = self.k
-        positions = torch.arange(k)
-        # Every request's outcome at once: a per-request loop of small tensor ops cost ~70 us a request (H200 host).
-        strata = torch.tensor([self._stratum.get(rid, 0) for rid, _, _ in known], dtype=torch.int64)
-        verified = torch.tensor([v for _, v, _ in known], dtype=torch.int64)[:, None]
-        accepted = torch.tensor([a for _, _, a in known], dtype=torch.int64)[:, None]
-        self.reached.index_add_(0, strata, ((positions < verified) & (positions <= accepted)).double())
-        self.accepted.index_add_(0, strata, (positions < accepted).double())
+        positions = np.arange(k)
+        # Every request's outcome at once, in numpy: a per-request loop of small tensor ops cost ~70 us a request, and
+        # torch ops on these few values ~10 us each (H200 host).
+        strata = np.array([self._stratum.get(rid, 0) for rid, _, _ in known], dtype=np.int64)
+        verified = np.array([v for _, v, _ in known], dtype=np.int64)[:, None]
+        accepted = np.array([a for _, _, a in known], dtype=np.int64)[:, None]
+        np.add.at(self.reached.numpy(), strata, ((positions < verified) & (positions <= accepted)).astype(np.float64))
+        np.add.at(self.accepted.numpy(), strata, (positions < accepted).astype(np.float64))
         in_block = positions < verified  # [n, k]: the verified slots
         self.calibration.add_blocks(host_t[:, :k][in_block], (positions < accepted)[in_block], verified, accepted)
         records: list[dict[str, object]] = []
@@ -593,6 +608,7 @@ class VerificationPlanner:
     def drop_drafts(self, request_id: str) -> None:
         """The request's pending drafts were dropped (preemption); its smoothing history stays."""
         self._pending.discard(request_id)
+        self._published.pop(request_id, None)
 
     def release(self, request_id: str) -> None:
         """The request finished: forget everything about it (the EMA restarts for a new request)."""
@@ -604,6 +620,7 @@ class VerificationPlanner:
             self._generation[slot] += 1
         self._history.discard(request_id)
         self._pending.discard(request_id)
+        self._published.pop(request_id, None)
         self._stratum.pop(request_id, None)
 
     def metrics(self) -> dict[str, object]:

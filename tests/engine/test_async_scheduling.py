@@ -532,9 +532,9 @@ def test_the_regime_hears_only_the_tokens_a_continued_step_kept(untied_model: st
     for name in ("step_finished", "continued_step_finished"):
         real = getattr(planner, name)
 
-        def spy(*args: Any, _real: Any = real) -> None:
+        def spy(*args: Any, _real: Any = real, **kwargs: Any) -> None:
             reported.append(args[1])  # num_emitted, the second argument of both
-            _real(*args)
+            _real(*args, **kwargs)
 
         setattr(planner, name, spy)
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True) for _ in prompts]

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
+from dspark.config import GREEDY_BELOW
 from dspark.models.loader import load_config
 from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
 from dspark.spec.dspark.config import DSparkConfig
 from dspark.spec.verify import VerifyRow, verify, verify_plain
+from dspark.worker import model_runner
 from dspark.worker.sampler import Sampler, SamplingRow, inverse_cdf, uniform
 
 V = 64
@@ -28,7 +30,8 @@ def _case(rng: random.Random, gen: torch.Generator, method: str) -> tuple:
     """A ragged batch: per request a temperature (0 = greedy), 0..5 drafts, logits peaked enough that drafts are
     accepted often, and drafts that are the target's token, a draft sample or a random token."""
     num_reqs = rng.randint(1, 6)
-    temps = [rng.choice([0.0, 0.0, 0.5, 1.0, 1.7]) for _ in range(num_reqs)]
+    # around GREEDY_BELOW (1e-5) too: greedy below it, sampled from it on
+    temps = [rng.choice([0.0, 0.0, 0.5, 1.0, 1.7, 9.99e-6, 1e-5, 1.0000001e-5]) for _ in range(num_reqs)]
     lens = [rng.randint(0, 5) for _ in range(num_reqs)]
     logits = torch.randn(sum(lens) + num_reqs, V, generator=gen) * rng.choice([1.0, 3.0, 8.0])
     q_logits = logits[: max(1, sum(lens))] + torch.randn(max(1, sum(lens)), V, generator=gen)
@@ -47,7 +50,7 @@ def _case(rng: random.Random, gen: torch.Generator, method: str) -> tuple:
             else:
                 tok = rng.randrange(V)
             drafts.append(tok)
-        greedy = temps[r] == 0.0
+        greedy = temps[r] < GREEDY_BELOW
         if greedy:  # as the runner passes them: greedy rows' drafts have no distribution
             q[d_row : d_row + lens[r]] = 0.0
         rows.append(VerifyRow(seed, first, drafts, greedy))
@@ -70,7 +73,7 @@ def _emitted(logits: torch.Tensor, draft_probs, rows, temps, method: str) -> lis
 @pytest.mark.parametrize("method", ["probabilistic", "strict"])
 def test_same_tokens_as_verify(method: str) -> None:
     rng, gen = random.Random(7), torch.Generator().manual_seed(7)
-    num_partial = num_corrected = 0
+    num_partial = num_corrected = num_sampled_corrected = num_bonus = 0
     for _ in range(150):
         logits, draft_probs, rows, samp, temps = _case(rng, gen, method)
         want = _expected(logits, draft_probs, rows, samp, method)
@@ -78,8 +81,24 @@ def test_same_tokens_as_verify(method: str) -> None:
         for r, out in zip(rows, want, strict=True):
             num_partial += 0 < len(out) - 1 < len(r.draft_tokens)
             num_corrected += len(out) - 1 < len(r.draft_tokens)
-    # the cases reach every branch: drafts accepted in part, rejections corrected, full acceptance (bonus)
-    assert num_partial > 20 and num_corrected > 100
+            num_sampled_corrected += not r.greedy and len(out) - 1 < len(r.draft_tokens)
+            num_bonus += not r.greedy and len(out) == len(r.draft_tokens) + 1
+    # the cases reach every branch: drafts accepted in part, rejections corrected (by a residual draw under
+    # probabilistic verification, by the plain draw under strict), sampled bonus tokens
+    assert num_partial > 20 and num_corrected > 100 and num_sampled_corrected > 50 and num_bonus > 50
+
+
+def test_an_empty_residual_draws_from_the_target() -> None:
+    """A rejected draft where p = q (both zero at the draft): max(p - q, 0) is empty, and the correction is drawn from
+    p itself, as verify() draws it."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
+    logits[:, 10:20] = float("-inf")  # p = 0 there
+    p = torch.softmax(logits, dim=-1)
+    rows = [VerifyRow(seed, 4, [12, 15]) for seed in range(20)]  # drafts where both p and q are 0: always rejected
+    tp, dp, lg = torch.cat([p] * 20), torch.cat([p[:2]] * 20), torch.cat([logits] * 20)
+    want = verify(tp, dp, rows)
+    assert all(len(o) == 1 and not 10 <= o[0] < 20 for o in want)
+    assert _emitted(lg, dp, rows, [1.0] * 20, "probabilistic") == want
 
 
 def test_padding_rows_are_ignored() -> None:
@@ -93,6 +112,9 @@ def test_padding_rows_are_ignored() -> None:
 
 
 def test_a_request_does_not_depend_on_its_batch() -> None:
+    """Each request of a ragged batch alone gives what it gave in the batch: the batch's index arithmetic (offsets,
+    padding positions, the residual rows). On CPU draws go row by row; on CUDA the rows are drawn in batches, which
+    test_gpu.py checks against verify()."""
     rng, gen = random.Random(11), torch.Generator().manual_seed(11)
     for _ in range(30):
         logits, draft_probs, rows, _, temps = _case(rng, gen, "probabilistic")
@@ -101,11 +123,7 @@ def test_a_request_does_not_depend_on_its_batch() -> None:
         for r, row in enumerate(rows):
             n = len(row.draft_tokens)
             q = None if draft_probs is None else draft_probs[d_row : d_row + n]
-            if row.greedy:
-                q = None if draft_probs is None or n == 0 else q
             alone = _emitted(logits[t_row : t_row + n + 1], q, [row], [temps[r]], "probabilistic")
-            if q is None and not row.greedy:
-                continue  # cannot happen in a batch: sampled rows come with their distributions
             assert alone[0] == together[r]
             t_row += n + 1
             d_row += n
@@ -132,7 +150,9 @@ def tiny_drafter(tmp_path_factory: pytest.TempPathFactory, tiny_model_dirs: dict
 
 
 @pytest.mark.parametrize("method", ["dspark", "ngram"])
-def test_engine_emits_the_row_by_row_tokens(method: str, tiny_model_dirs: dict[str, Path], tiny_drafter: Path) -> None:
+def test_engine_emits_the_row_by_row_tokens(
+    method: str, tiny_model_dirs: dict[str, Path], tiny_drafter: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Whole requests through the engine with verify_plain and with verify() (ModelRunner.plain_verify off): the same
     tokens, for greedy and seeded sampled requests side by side (probabilistic verification for the DSpark drafter,
     strict for n-gram), and drafts were accepted on the way."""
@@ -147,7 +167,15 @@ def test_engine_emits_the_row_by_row_tokens(method: str, tiny_model_dirs: dict[s
         for t, s in ((0.0, None), (0.8, 3), (1.3, -7))
     ]
     outputs, accepted = [], []
+    calls = [0]
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return verify_plain(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model_runner, "verify_plain", counted)
     for plain in (True, False):
+        calls[0] = 0
         llm = LLM(
             model=str(tiny_model_dirs["llama"]),
             dtype="float32",
@@ -159,5 +187,6 @@ def test_engine_emits_the_row_by_row_tokens(method: str, tiny_model_dirs: dict[s
         outs = llm.generate([p for p in prompts for _ in params], [q for _ in prompts for q in params])
         outputs.append([o.outputs[0].token_ids for o in outs])
         accepted.append(llm.engine.get_metrics()["spec_decode_num_accepted_tokens"])
+        assert (calls[0] > 0) == plain  # the path asked for is the path taken
     assert outputs[0] == outputs[1]
     assert accepted[0] == accepted[1] > 0
