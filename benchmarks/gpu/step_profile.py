@@ -139,6 +139,15 @@ def profile(
     # Each step's wall time by kind: "verify+draft", "plain" (neither), or "switch" (one of the two): an adaptive
     # engine's plain steps should cost what a no-spec step costs.
     by_kind: dict[str, list[float]] = collections.defaultdict(list)
+    gc_started: list[float] = []
+
+    def gc_timer(phase: str, info: dict[str, int]) -> None:  # the collector's pauses, by generation
+        if phase == "start":
+            gc_started.append(time.perf_counter())
+        elif gc_started:
+            acc[f"gc{info['generation']}"] += time.perf_counter() - gc_started.pop()
+
+    gc.callbacks.append(gc_timer)
     profiler = cProfile.Profile() if cprofile else None
     if profiler is not None:
         profiler.enable()
@@ -153,20 +162,33 @@ def profile(
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
+    gc.callbacks.remove(gc_timer)
     if profiler is not None:  # where the host's time went (the wall times above include the profiler's overhead)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(cprofile)
     tokens = engine.get_metrics()["num_generation_tokens"] - generated
     phases = {k: v / steps * 1e3 for k, v in acc.most_common()}
     # the rest of step(): bookkeeping, drafting's own (plan.* sit inside planner.plan)
-    phases["other"] = wall / steps * 1e3 - sum(v for k, v in phases.items() if not k.startswith("plan."))
+    phases["other"] = wall / steps * 1e3 - sum(
+        v for k, v in phases.items() if not k.startswith("plan.") and not k.startswith("gc")
+    )
     row = {"config": name, "concurrency": concurrency, "temperature": temperature, "step_ms": wall / steps * 1e3}
     row["tokens_per_s"] = tokens / wall
     # requests in the timed steps (a row whose KV cache or token budget held requests back shows it here)
     row["num_running"] = len(engine.scheduler.running)
     row["max_num_batched_tokens"], row["output_kind"] = max_num_batched_tokens, output_kind
     row["eager_steps"] = dict(eager)
-    row["steps_by_kind"] = {k: {"count": len(v), "median_ms": statistics.median(v)} for k, v in by_kind.items()}
+    # the spread too: a few slow steps (not the median) were adaptive's whole loss at T = 1, C >= 256 in session 7
+    row["steps_by_kind"] = {
+        k: {
+            "count": len(v),
+            "median_ms": statistics.median(v),
+            "p90_ms": sorted(v)[int(0.9 * (len(v) - 1))],
+            "max_ms": max(v),
+            "total_ms": sum(v),
+        }
+        for k, v in by_kind.items()
+    }
     for fn, original in PLAN_PARTS.items():  # unwrapped again for the next engine
         setattr(planner_module, fn, original)
     Proposal.token_ids = property(wait)  # type: ignore[method-assign,assignment]
@@ -204,7 +226,11 @@ def main() -> None:
             )
             rows.append(row)
             phases = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
-            kinds = ", ".join(f"{k} {v['count']}x {v['median_ms']:.2f}" for k, v in row["steps_by_kind"].items())
+            kinds = ", ".join(
+                f"{k} {v['count']}x {v['median_ms']:.2f} (p90 {v['p90_ms']:.2f}, max {v['max_ms']:.2f}, total "
+                f"{v['total_ms']:.0f})"
+                for k, v in row["steps_by_kind"].items()
+            )
             print(
                 f"{name} C={c} ({row['num_running']} running): {row['step_ms']:.2f} ms/step, "
                 f"{row['tokens_per_s']:.0f} tok/s | {phases}",

@@ -369,8 +369,13 @@ class VerificationPlanner:
                 # NOTE: the predictions count only where drafting's cost was measured at this load or a lower one
                 # (else the profile's guess, or a cost measured at a higher load: a load that drops after a busy spell
                 # would take the residual of its busy steps, and not explore drafting where it pays).
+                # A drafting verdict there is not adopted: the level stays plain and the regime explores drafting in a
+                # burst after FIRST_PERIOD steps, which measures it (spec/regime.py). NOTE: the profile cannot see a
+                # drafting step's host work, so its drafting verdicts lean wrong; adopted, a fresh engine's first
+                # row on the H200 at T = 1 (session 7) drafted until measured rates overruled it: 4-9 steps at
+                # C = 256, each 10-28 ms against 2.7 ms plain ones, also at the new load levels of the row's tail.
                 if not cost.measured_at_or_below(n):
-                    verdict = Verdict(verdict.draft)
+                    verdict = Verdict(False)
                 reuse = PREDICTED_PLAIN_REUSE if verdict.rate is not None and not verdict.draft else PAYS_REUSE
                 cached = (verdict, reuse, cost.num_surprises)
             self._pays_cache[n] = (cached[0], cached[1] - 1, cached[2])
