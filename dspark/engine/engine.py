@@ -448,8 +448,9 @@ class LLMEngine:
             ]
             records = self.planner.record(outcomes, trace=self.trace is not None)
         num_live = num_emitted = 0  # the requests this step served, and their tokens (a voided token is neither)
-        # NOTE: a continued step's drafting choice is made (plain): no list of who would draft (at C = 1024 its 1024
-        # appends were most of adaptive's extra host time per plain step, ~0.1 ms in benchmarks/host_step.py)
+        # NOTE: a continued step's drafting choice is made (plain): no list of who would draft. At C = 1024 its appends
+        # were most of what adaptive's plain step added on the host: _step's own time 0.71 against no-spec's 0.60 ms a
+        # step (cProfile of benchmarks/host_step.py --spec --async-scheduling, 2-vCPU machine).
         may_draft = self.spec is not None and draft_choice is not False
         for s in sched.scheduled:
             req = s.request

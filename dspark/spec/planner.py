@@ -189,8 +189,8 @@ class VerificationPlanner:
         self._stratum: dict[str, int] = {}
         self._copies: deque[_Copy] = deque()
         # request id -> (the copy of its pending drafts' survivals and confidences, its row there): what record() reads
-        # on the host, with no copy or device op of its own (on the H200 host its gathers, copy and wait were ~0.5 ms
-        # of a fixed-7 step at C = 1, benchmarks/gpu/step_profile.py)
+        # on the host, with no copy or device op of its own (on the H200 its gathers, copy and wait took 0.54 ms of a
+        # fixed-7 step at C = 1 in session 3, and record() 0.12-0.15 ms with this: benchmarks/gpu/step_profile.py)
         self._published: dict[str, tuple[_Copy, int]] = {}
         self._generation = np.zeros(0, dtype=np.int64)  # [N] times each row was released
         self._prior = 0.5 ** torch.arange(1, num_spec_tokens + 1, dtype=torch.float64)  # before any survival is seen
@@ -372,8 +372,8 @@ class VerificationPlanner:
                 # A drafting verdict there is not adopted: the level stays plain and the regime explores drafting in a
                 # burst after FIRST_PERIOD steps, which measures it (spec/regime.py). NOTE: the profile cannot see a
                 # drafting step's host work, so its drafting verdicts lean wrong; adopted, a fresh engine's first
-                # row on the H200 at T = 1 (session 7) drafted until measured rates overruled it: 4-9 steps at
-                # C = 256, each 10-28 ms against 2.7 ms plain ones, also at the new load levels of the row's tail.
+                # row on the H200 at T = 1 (session 7) drafted until measured rates overruled it: 1-9 steps a
+                # round at C = 256, of 10-28 ms against 2.7 ms plain ones, also at the new levels of the row's tail.
                 if not cost.measured_at_or_below(n):
                     verdict = Verdict(False)
                 reuse = PREDICTED_PLAIN_REUSE if verdict.rate is not None and not verdict.draft else PAYS_REUSE
