@@ -100,7 +100,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.drafter = drafter
         self.verify_method = verify_method
-        # request id -> (a drafting pass's [R, k, vocab] distributions, the request's row): its pending drafts'
+        # request id -> (a drafting pass's [R, k, vocab] distributions, the request's row in it): where the
+        # distributions its pending drafts were drawn from are
         self._draft_probs: dict[str, tuple[torch.Tensor, int]] = {}
         # verify_plain where every request allows it (benchmarks/gpu/step_profile.py turns it off to time verify()'s
         # row-by-row path beside it)
