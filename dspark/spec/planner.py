@@ -272,7 +272,7 @@ class VerificationPlanner:
             if current.shape[1] < k:
                 current = torch.cat([current, current.new_zeros(current.shape[0], k - current.shape[1])], dim=1)
         current = current.clamp(MIN_CONFIDENCE, 1.0)
-        packed = upload(slots + num_drafts, torch.int64, current.device)  # one copy: each costs ~20 us on the host
+        packed = upload(slots + num_drafts, torch.int64, current.device)  # one pinned copy, not two
         index = packed[: len(slots)]
         held = torch.arange(k, device=current.device)[None, :] < packed[len(slots) :, None]
         # NOTE: learned rates are already averages over many blocks: smoothing them again only mixes in a stale
@@ -581,8 +581,9 @@ class VerificationPlanner:
             host_t = np.stack([c.host.numpy()[i] for c, i in held]).astype(np.float64)
         k = self.k
         positions = np.arange(k)
-        # Every request's outcome at once, in numpy: a per-request loop of small tensor ops cost ~70 us a request, and
-        # torch ops on these few values ~10 us each (H200 host).
+        # Every request's outcome at once, in numpy: a per-request loop of small tensor ops cost ~70 us a request (H200
+        # host), and with torch ops on these small arrays record() took 95 us at R = 1 against 34 us now
+        # (benchmarks/planner_host.py, 2-vCPU machine).
         strata = np.array([self._stratum.get(rid, 0) for rid, _, _ in known], dtype=np.int64)
         verified = np.array([v for _, v, _ in known], dtype=np.int64)[:, None]
         accepted = np.array([a for _, _, a in known], dtype=np.int64)[:, None]
