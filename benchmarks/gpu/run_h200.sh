@@ -7,7 +7,8 @@
 #                 then sweeps no-spec and adaptive at C = 1, 16, 256, 1024 (T = 0, one wave).
 #   PHASE=quiet  : no-spec, no-spec:sync, adaptive, fixed-1 at C = 1..1024, 3 rounds, T = 0 (with hf at C = 256) on
 #                 GPU 0 and T = 1 on the last, nothing else running (the goal's comparison; async scheduling's gain).
-#                 QUIET_ARMS and QUIET_REPEATS change the arms and the rounds.
+#                 QUIET_ARMS and QUIET_REPEATS change the arms and the rounds; QUIET_INTERLEAVE=1 interleaves them
+#                 row by row (bench sweep --interleave).
 #   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1 and 16, async and sync
 #                 (prefill_profile.py) on the last GPU; the GPU tests on GPU 0.
 #   PHASE=verify : the GPU tests on GPU 0; session 6's t1-check (a fresh engine's first row, T = 1) on the last GPU.
@@ -86,9 +87,14 @@ elif [ "$PHASE" = quiet ]; then
     t=$([ "$i" = 0 ] && echo 0 || echo 1); hf=$([ "$i" = 0 ] && echo "--hf-concurrency 256")
     case " ${QUIET_TEMPS:-0 1} " in *" $t "*) ;; *) continue ;; esac
     arms=$(for a in ${QUIET_ARMS:-no-spec no-spec:sync adaptive fixed-1}; do printf -- "--arm %s " "$a"; done)
+    # QUIET_INTERLEAVE=1: the arms' engines side by side, taking turns row by row (bench sweep --interleave), with
+    # 0.9 of the memory split between them (each engine reserves ~18 GB of step headroom at 8192 batched tokens;
+    # C = 1024 needs ~11 GB of KV cache, estimated at ~450 tokens a request). Not run on the GPU yet.
+    mem=$([ "${QUIET_INTERLEAVE:-0}" = 1 ] && echo "--interleave --gpu-memory-utilization 0.9" \
+      || echo "--gpu-memory-utilization 0.6")
     (on "$i" "${QUIET_S:-540}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" $arms \
       --concurrency 1 16 64 256 1024 --temperature "$t" --repeats "${QUIET_REPEATS:-3}" \
-      --output-len 256 --waves 1 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.6 $hf --data-dir "$DATA" \
+      --output-len 256 --waves 1 --max-num-batched-tokens 8192 $mem $hf --data-dir "$DATA" \
       --output-json "$OUT/quiet-t$t.json" --output-md "$OUT/quiet-t$t.md" --output-plot "$OUT/quiet-t$t.png" 2>&1 \
       | quiet > "$OUT/quiet-t$t.log") &
   done

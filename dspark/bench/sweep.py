@@ -17,6 +17,9 @@ A row is (arm, concurrency, temperature). Its counters are deltas of engine.get_
   adaptive verification chose none) count as 0.
 With --repeats R the arms alternate round by round (each round builds every arm's engine again); every key of a row
 is its median round's (by output throughput; the lower middle one for even R), rounds_output_throughput lists all.
+With --interleave every arm's engine is built once, with its share of the memory budget, and the arms take turns row
+by row (the first of each row rotating by round), so that a slow stretch of the host falls on all arms alike; an
+engine then keeps what it learned (adaptive's measured rates) from round to round.
 """
 
 from __future__ import annotations
@@ -318,10 +321,13 @@ def run_sweep(
     hf_concurrencies: list[int] | None = None,
     command: str = "",
     waves: int = 2,
+    interleave: bool = False,
 ) -> Sweep:
     """Every arm at every concurrency and temperature, and the hf arm (hf, or hf_concurrencies given) at its
     concurrencies. config.speculative_config is the method and drafter of the speculative arms (default: n-gram);
-    config.max_num_seqs is replaced by the largest concurrency."""
+    config.max_num_seqs is replaced by the largest concurrency. interleave: every arm's engine is built once and
+    lives through the run (each with its share of gpu_memory_utilization), and the arms take turns row by row;
+    otherwise each round builds each arm's engine in turn, which runs all its rows."""
     arm_list = [parse_arm(a) for a in dict.fromkeys(arms or ARMS)]
     for c in concurrencies or ():
         _check_positive("concurrency", c)
@@ -362,41 +368,75 @@ def run_sweep(
         raw |= {"output_tokens": round_.num_output_tokens, "counters": round_.counters}
         print(f"{label}: {round_.output_throughput:.1f} tok/s ROW {json.dumps(raw)}", file=sys.stderr)
 
-    for r in range(repeats):
-        for arm in arm_list:
-            arm_config = arm.config(base, spec)
-            llm = LLM(**dataclasses.asdict(arm_config))
-            engine = llm.engine
-            if not set_ids:  # tokenized once, for every arm: the prompts the largest row uses
-                set_ids = tokenize(llm, prompts.prompts[: max(sizes.values())], chat)
-                _check_fits(set_ids, output_len, engine.max_model_len)
-                device, dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
-                if hf_concs:  # the engine's own weights, copied once to the CPU
-                    hf_model = build_hf_model(engine.model, torch.device("cpu"), engine.dtype)
-                    hf_arm = HFArm(hf_model, engine.device, base.max_num_batched_tokens, base.enable_prefix_caching)
-            arm_configs[arm.name] = dataclasses.asdict(arm_config.spec) if arm_config.spec else None
-            warm = [SamplingParams(temperature=t, max_tokens=WARMUP_TOKENS, ignore_eos=True, seed=0) for t in temps]
-            for p in warm:
-                engine.add_request(set_ids[0], p)
-            drain(engine)
+    def build(arm: Arm, share: float = 1.0) -> LLM:
+        """The arm's engine, warmed up. share: the fraction of --gpu-memory-utilization it may take up to, counting
+        the engines already built (they all live at once under --interleave)."""
+        nonlocal set_ids, device, dtype, hf_arm
+        arm_config = arm.config(base, spec)
+        arm_config = dataclasses.replace(arm_config, gpu_memory_utilization=base.gpu_memory_utilization * share)
+        llm = LLM(**dataclasses.asdict(arm_config))
+        engine = llm.engine
+        if not set_ids:  # tokenized once, for every arm: the prompts the largest row uses
+            set_ids = tokenize(llm, prompts.prompts[: max(sizes.values())], chat)
+            _check_fits(set_ids, output_len, engine.max_model_len)
+            device, dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
+            if hf_concs:  # the engine's own weights, copied once to the CPU
+                hf_model = build_hf_model(engine.model, torch.device("cpu"), engine.dtype)
+                hf_arm = HFArm(hf_model, engine.device, base.max_num_batched_tokens, base.enable_prefix_caching)
+        arm_configs[arm.name] = dataclasses.asdict(arm_config.spec) if arm_config.spec else None
+        warm = [SamplingParams(temperature=t, max_tokens=WARMUP_TOKENS, ignore_eos=True, seed=0) for t in temps]
+        for p in warm:
+            engine.add_request(set_ids[0], p)
+        drain(engine)
+        return llm
+
+    def row(arm: Arm, engine: LLMEngine, c: int, t: float, r: int) -> None:
+        params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, output_kind="final_only")
+        label = f"{arm.name} C={c} T={t} r{r + 1}"
+        record(arm.name, c, t, label, run_row(engine, _row_ids(set_ids, sizes[c]), params, c, label))
+
+    def release() -> None:
+        gc.unfreeze()  # NOTE: the engine froze the GC heap (engine.py); a frozen cycle is never collected
+        gc.collect()  # NOTE: the next arm's engine sizes its KV cache from the memory this one frees
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def hf_rows(r: int) -> None:
+        if hf_arm is None:
+            return
+        with hf_arm.on_device():  # after the engines are gone, so transformers has the device to itself
             for t in temps:
-                params = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, output_kind="final_only")
+                hf_arm.warm_up(set_ids[0], t, WARMUP_TOKENS)
+                for c in hf_concs:
+                    label = f"{HF} C={c} T={t} r{r + 1}"
+                    record(HF, c, t, label, hf_arm.run_row(_row_ids(set_ids, sizes[c]), t, output_len, c, label))
+
+    if interleave:
+        # Every arm's engine at once, each its share of the memory budget; the arms take turns row by row, the
+        # first of each row rotating by round. NOTE: on the H200 the host runs stretches of seconds up to 1.7x
+        # slower (session 7: same-config engines 2.5 against 3.6-4.5 ms a step at C = 256); whole engines in turn
+        # put such a stretch on one arm's rows, rows in turn share it.
+        llms = {arm.name: build(arm, (i + 1) / len(arm_list)) for i, arm in enumerate(arm_list)}
+        for r in range(repeats):
+            for t in temps:
                 for c in concs:
-                    label = f"{arm.name} C={c} T={t} r{r + 1}"
-                    record(arm.name, c, t, label, run_row(engine, _row_ids(set_ids, sizes[c]), params, c, label))
-            del llm, engine
-            gc.unfreeze()  # NOTE: the engine froze the GC heap (engine.py); a frozen cycle is never collected
-            gc.collect()  # NOTE: the next arm's engine sizes its KV cache from the memory this one frees
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-        if hf_arm is not None:  # after the engines are gone, so transformers has the device to itself
-            with hf_arm.on_device():
+                    for i in range(len(arm_list)):
+                        arm = arm_list[(i + r) % len(arm_list)]
+                        row(arm, llms[arm.name].engine, c, t, r)
+        del llms
+        release()
+        for r in range(repeats):
+            hf_rows(r)
+    else:
+        for r in range(repeats):
+            for arm in arm_list:
+                llm = build(arm)
                 for t in temps:
-                    hf_arm.warm_up(set_ids[0], t, WARMUP_TOKENS)
-                    for c in hf_concs:
-                        label = f"{HF} C={c} T={t} r{r + 1}"
-                        outcome = hf_arm.run_row(_row_ids(set_ids, sizes[c]), t, output_len, c, label)
-                        record(HF, c, t, label, outcome)
+                    for c in concs:
+                        row(arm, llm.engine, c, t, r)
+                del llm
+                release()
+            hf_rows(r)
 
     all_arms = [*arm_list, Arm(HF, None)] if hf_arm is not None else arm_list
     keys = [(a, c, t) for t in temps for c in concs for a in all_arms if (a.name, c, t) in rounds]
@@ -427,6 +467,7 @@ def run_sweep(
             "temperatures": temps,
             "chat": chat,
             "repeats": repeats,
+            "interleave": interleave,
         },
         "rows": rows,
     }
@@ -741,6 +782,13 @@ def add_parser(
     )
     g.add_argument("--repeats", metavar="R", type=int, default=1, help="rounds, arms alternating (default: 1)")
     g.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build every arm's engine once (each with its share of --gpu-memory-utilization) and alternate the arms "
+        "row by row, so that a slow stretch of the host falls on all arms alike (default: engines in turn, each "
+        "running all its rows, rebuilt every round)",
+    )
+    g.add_argument(
         "--hf",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -791,6 +839,7 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         hf_concurrencies=args.hf_concurrency,
         command=args.command_line,
         waves=args.waves,
+        interleave=args.interleave,
     )
     write_outputs(sweep.result, *paths)
     print(markdown_table(sweep.result))

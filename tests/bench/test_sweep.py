@@ -347,3 +347,53 @@ def test_sync_arms_turn_async_scheduling_off_and_keep_their_base_arm() -> None:
     for bad in ("no-spec:async", "sync", ":sync", "fixed-33:sync", "no-spec:sync:sync"):
         with pytest.raises(ConfigError, match="arm"):
             parse_arm(bad)
+
+
+def test_interleaved_arms_take_turns_row_by_row(
+    tiny_model_dirs: dict[str, Path], data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--interleave: every arm's engine is built once and lives through the run, the arms take turns row by row with
+    the first rotating by round, and the rows are what the engines-in-turn sweep gives (greedy outputs equal to
+    no-spec's; each row's rounds all there)."""
+    config = EngineConfig(model=str(tiny_model_dirs["llama"]), dtype="float32", num_kv_blocks=128)
+    built: list[str] = []
+    real_llm = sweep_module.LLM
+
+    def counting_llm(**kwargs: object) -> object:
+        spec = kwargs.get("speculative_config")
+        built.append("no-spec" if spec is None else f"fixed-{spec['num_speculative_tokens']}")  # type: ignore[index]
+        return real_llm(**kwargs)
+
+    sweep_module.LLM = counting_llm  # type: ignore[assignment]
+    try:
+        result = run_sweep(
+            config,
+            arms=["no-spec", "fixed-1"],
+            concurrencies=[1, 4],
+            temperatures=[0.0],
+            output_len=OUTPUT_LEN,
+            num_prompts=NUM_PROMPTS,
+            data_dir=str(data_dir),
+            repeats=2,
+            interleave=True,
+        ).result
+    finally:
+        sweep_module.LLM = real_llm  # type: ignore[assignment]
+    assert built == ["no-spec", "fixed-1"]  # once each, not once a round
+    labels = [line.split(":")[0] for line in capsys.readouterr().err.splitlines() if " ROW " in line]
+    assert labels == [
+        "no-spec C=1 T=0.0 r1",
+        "fixed-1 C=1 T=0.0 r1",
+        "no-spec C=4 T=0.0 r1",
+        "fixed-1 C=4 T=0.0 r1",
+        "fixed-1 C=1 T=0.0 r2",
+        "no-spec C=1 T=0.0 r2",
+        "fixed-1 C=4 T=0.0 r2",
+        "no-spec C=4 T=0.0 r2",
+    ]
+    assert result["config"]["interleave"] is True
+    rows = {(r["arm"], r["concurrency"]): r for r in result["rows"]}
+    assert set(rows) == {(a, c) for a in ("no-spec", "fixed-1") for c in (1, 4)}
+    assert all(len(r["rounds_output_throughput"]) == 2 for r in rows.values())
+    assert rows["fixed-1", 4]["identical_to_no_spec"] == f"{NUM_PROMPTS}/{NUM_PROMPTS}"
+    assert rows["fixed-1", 4]["spec_decode_num_drafts"] > 0
