@@ -369,13 +369,12 @@ class VerificationPlanner:
                 # NOTE: the predictions count only where drafting's cost was measured at this load or a lower one
                 # (else the profile's guess, or a cost measured at a higher load: a load that drops after a busy spell
                 # would take the residual of its busy steps, and not explore drafting where it pays).
-                # A drafting verdict there is not adopted: the level stays plain and the regime explores drafting in a
-                # burst after FIRST_PERIOD steps, which measures it (spec/regime.py). NOTE: the profile cannot see a
-                # drafting step's host work, so its drafting verdicts lean wrong; adopted, a fresh engine's first
-                # row on the H200 at T = 1 (session 7) drafted until measured rates overruled it: 1-9 steps a
-                # round at C = 256, of 10-28 ms against 2.7 ms plain ones, also at the new levels of the row's tail.
+                # NOTE: a drafting verdict there is still adopted (the regime then explores plain steps in bursts
+                # and measured rates decide). Session 7 tried plain instead, with drafting explored in bursts: a fresh
+                # H200 engine drafted less, but on CPU with n-gram drafting at C = 1, where drafting pays, adaptive fell
+                # from ~0.94x to 0.82x of the best arm: two steady steps a burst measured a bursty acceptance low.
                 if not cost.measured_at_or_below(n):
-                    verdict = Verdict(False)
+                    verdict = Verdict(verdict.draft)
                 reuse = PREDICTED_PLAIN_REUSE if verdict.rate is not None and not verdict.draft else PAYS_REUSE
                 cached = (verdict, reuse, cost.num_surprises)
             self._pays_cache[n] = (cached[0], cached[1] - 1, cached[2])

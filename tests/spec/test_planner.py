@@ -12,7 +12,7 @@ import torch
 from dspark.config import SamplingParams
 from dspark.engine.request import Request
 from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
-from dspark.spec.cost_model import CostModel, RefinedCostModel
+from dspark.spec.cost_model import OUTLIER_RATIO, CostModel, RefinedCostModel
 from dspark.spec.planner import VerificationPlanner
 from dspark.spec.regime import BURST, FIRST_PERIOD
 from dspark.spec.scheduling import drafting_verdict
@@ -303,20 +303,16 @@ def test_a_ramp_drafts_once_where_measured_drafting_costs_more_than_the_profile_
 ) -> None:
     """Session 5's T = 1 row at C = 256 on the H200: the ramp crossed a new load level every few steps, the profile said
     drafting pays at each, and each level drafted (10 drafting steps of 9-18 ms against 2.4 ms plain ones: 0.85x of
-    no-spec). The profile's drafting verdict is not adopted before a drafting step is measured (session 7: adopted, a
-    fresh engine's first row drafted 4-9 steps, also at the new levels of its tail): the levels stay plain, and the
-    first to last FIRST_PERIOD steps explores drafting in one burst. Once drafting has been measured, the model's
-    drafting costs are measured ones: it says plain at the levels that follow, and they explore drafting only as
-    rarely as the predicted rates say a burst may cost 1% of the time between (the first comes after ~200 steps here).
-    Here a drafting step costs 4x or 7x a plain one (7x is beyond the outlier ratio: it is learned from the burst's
-    second step) for ~2 tokens per request."""
+    no-spec). Once a drafting step has been measured, the model's drafting costs are measured ones: it says plain at
+    the levels that follow, and they explore drafting only as rarely as the predicted rates say a burst may cost 1%
+    of the time between (the first comes after ~200 steps here). Here a drafting step costs 4x or 7x a plain one (7x
+    is beyond the outlier ratio: it is learned from its second step) for ~2 tokens per request."""
     choices, planner = _ramp(monkeypatch, draft_cost=draft_cost, conf=0.5)
     assert planner.cost is not None and planner.cost.spec.count
-    drafted = [i for i, c in enumerate(choices) if c]
-    assert not any(choices[:FIRST_PERIOD])  # the profile's verdict, before anything is measured, is not followed
-    assert drafted[:BURST] == list(range(drafted[0], drafted[0] + BURST)), drafted  # one exploration burst
-    assert not any(choices[drafted[0] + BURST : 200]), drafted
-    assert sum(choices) <= 2 * BURST
+    assert choices[0]  # the profile's verdict, before anything is measured
+    first = 1 if draft_cost < OUTLIER_RATIO else 2  # the drafting run's steps before its cost is learned
+    assert not any(choices[first:200]), [i for i, c in enumerate(choices) if c]
+    assert sum(choices) <= first + BURST
 
 
 def test_a_load_that_drops_after_a_busy_spell_drafts_where_drafting_pays(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -356,8 +352,6 @@ def test_a_block_without_drafts_does_not_stop_drafting_for_good() -> None:
     would never pay again for it (and without drafts there is no newer block to correct that)."""
     cost = CostModel.from_points({1: 10.0, 64: 10.0}, {1: 1.0, 64: 1.0})  # verification free, drafting a 10th of a step
     planner = VerificationPlanner(K, "async", 0.0, cost, CPU)
-    assert planner.cost is not None
-    planner.cost.observe(1, 11.0, 11.0, True)  # a drafting step measured as the profile says: its verdicts count
     planner.observe(["a"], [0], torch.zeros(1, K))  # a miss
     planner.observe(["a"], [0], torch.zeros(1, K))  # another: the first is now old enough to be read
     assert planner.should_draft(["a"])
