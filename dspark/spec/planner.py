@@ -370,9 +370,9 @@ class VerificationPlanner:
                 # (else the profile's guess, or a cost measured at a higher load: a load that drops after a busy spell
                 # would take the residual of its busy steps, and not explore drafting where it pays).
                 # NOTE: a drafting verdict there is still adopted (the regime then explores plain steps in bursts
-                # and measured rates decide). Session 7 tried plain instead, with drafting explored in bursts: a fresh
-                # H200 engine drafted less, but on CPU with n-gram drafting at C = 1, where drafting pays, adaptive fell
-                # from ~0.94x to 0.82x of the best arm: two steady steps a burst measured a bursty acceptance low.
+                # and measured rates decide). Session 7 tried plain instead, with drafting explored in bursts
+                # (5516a56: a fresh H200 engine's first T = 1 row drafted 1-9 steps a round at C = 256, of 10-28 ms
+                # against 2.7 ms plain ones). It was reverted untried on the GPU; see that session's results README.
                 if not cost.measured_at_or_below(n):
                     verdict = Verdict(verdict.draft)
                 reuse = PREDICTED_PLAIN_REUSE if verdict.rate is not None and not verdict.draft else PAYS_REUSE
