@@ -581,8 +581,8 @@ class VerificationPlanner:
         k = self.k
         positions = np.arange(k)
         # Every request's outcome at once, in numpy: a per-request loop of small tensor ops cost ~70 us a request (H200
-        # host), and with torch ops on these small arrays record() took 95 us at R = 1 against 34 us now
-        # (benchmarks/planner_host.py, 2-vCPU machine).
+        # host), and with torch ops on these small arrays record() took 98-100 us at R = 1 against 36-37 us now
+        # (benchmarks/planner_host.py on the 2-vCPU machine, bd523c8 and this alternating, two runs each).
         strata = np.array([self._stratum.get(rid, 0) for rid, _, _ in known], dtype=np.int64)
         verified = np.array([v for _, v, _ in known], dtype=np.int64)[:, None]
         accepted = np.array([a for _, _, a in known], dtype=np.int64)[:, None]

@@ -209,8 +209,8 @@ def verify_plain(
         need = bonus[sampled]
     req_of = np.repeat(np.arange(num_reqs), lens + 1)[need]
     residual_reqs = np.flatnonzero(sampled & (lens > 0)) if method == "probabilistic" else np.zeros(0, np.int64)
-    # NOTE: everything the device needs in two copies (one int64, one fp64), sliced there: at C = 1 a dozen separate
-    # uploads cost more host time than verify()'s whole row-by-row loop.
+    # NOTE: everything the device needs in two copies (one int64, one fp64), sliced there, not a dozen uploads (each its
+    # own pinned staging copy and transfer, a fixed host cost that matters most at C = 1).
     ints = _Packed([t_index, drafts, valid, d_index, lens, bonus, sampled, need, residual_reqs], np.int64)
     floats = [
         np.repeat([max(t, GREEDY_BELOW) for t in temperatures], lens + 1),

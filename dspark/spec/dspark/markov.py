@@ -111,7 +111,7 @@ def sample_block_with(
         if u_all is not None:
             q = torch.softmax(logits[:num_reqs] / temps[:, None], dim=-1)
             # Greedy rows one-hot at their argmax, in place: masked_fill_ and a one-column scatter, not a one_hot
-            # ([R, vocab] int64, then a cast) and a where over the whole table, each pass as large as the softmax.
+            # ([R, vocab] int64, twice the softmax's bytes), a cast and a where over the whole table.
             # NOTE: masks, not q[greedy] = ...: boolean indexing waits for the device to count the mask.
             q.masked_fill_(greedy[:, None], 0.0)
             at_top = top[:, None]
