@@ -9,6 +9,9 @@
 #                 GPU 0 and T = 1 on the last, nothing else running (the goal's comparison; async scheduling's gain).
 #                 QUIET_ARMS and QUIET_REPEATS change the arms and the rounds; QUIET_INTERLEAVE=1 interleaves them
 #                 row by row (bench sweep --interleave).
+#   PHASE=goal  : the goal's comparison on GPU 0 alone, in one process: no-spec, adaptive and fixed-1 built once each
+#                 (bench sweep --interleave, 0.9 of the memory between them), taking turns row by row at C = 1..1024,
+#                 T = 0 and 1, GOAL_REPEATS (7) rounds; the table's paired column is the median of per-round ratios.
 #   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1 and 16, async and sync
 #                 (prefill_profile.py) on the last GPU; the GPU tests on GPU 0.
 #   PHASE=verify : the GPU tests on GPU 0; session 6's t1-check (a fresh engine's first row, T = 1) on the last GPU.
@@ -100,6 +103,14 @@ elif [ "$PHASE" = quiet ]; then
   done
   wait
   tail -n 12 "$OUT"/quiet-t*.log
+elif [ "$PHASE" = goal ]; then
+  arms=$(for a in ${GOAL_ARMS:-no-spec adaptive fixed-1}; do printf -- "--arm %s " "$a"; done)
+  on 0 "${GOAL_S:-560}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" $arms --interleave \
+    --concurrency ${GOAL_CONCS:-1 16 64 256 1024} --temperature 0 1 --repeats "${GOAL_REPEATS:-7}" --output-len 256 \
+    --waves 1 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9 --data-dir "$DATA" \
+    --output-json "$OUT/goal.json" --output-md "$OUT/goal.md" --output-plot "$OUT/goal.png" 2>&1 | quiet \
+    > "$OUT/goal.log"
+  grep ROW "$OUT/goal.log" | sed 's/ ROW.*//' | tail -40; tail -3 "$OUT/goal.log"; cat "$OUT/goal.md"
 elif [ "$PHASE" = prefill ]; then
   # Session 3's open lead: adaptive's prefill steps cost 11-16 ms more than no-spec's. The phases of a prefill step
   # with async scheduling (and one step under torch.profiler), then without, on the last GPU; GPU 0 runs the GPU tests.

@@ -366,6 +366,7 @@ def run_sweep(
         # NOTE: the raw round on one line too, so a run cut short by a time limit still has every finished row.
         raw = {"arm": arm, "concurrency": c, "temperature": t, "elapsed_s": round_.elapsed_s}
         raw |= {"output_tokens": round_.num_output_tokens, "counters": round_.counters}
+        raw["step_median_ms"] = _step_medians(round_)
         print(f"{label}: {round_.output_throughput:.1f} tok/s ROW {json.dumps(raw)}", file=sys.stderr)
 
     def build(arm: Arm, share: float = 1.0) -> LLM:
@@ -576,6 +577,8 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
             },
             # [step in the row, requests running, kind, wall ms] of its first speculative steps (the median round)
             "spec_steps": r.spec_steps,
+            # each round's median step wall ms per kind, in round order: the step's own time, beside throughput
+            "rounds_step_median_ms": [_step_medians(x) for x in rounds],
             # each round's number of speculative steps (drafted or verified, no prompt chunk), in round order
             "rounds_spec_steps": [sum(len(x.step_ms.get(k, [])) for k in SPEC_KINDS) for x in rounds],
             # Greedy decoding must not change a token: "n/N" of this row's outputs equal no-spec's (temperature 0).
@@ -583,6 +586,10 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
         }
     )
     return row
+
+
+def _step_medians(r: Round) -> dict[str, float]:
+    return {kind: round(statistics.median(ms), 3) for kind, ms in r.step_ms.items() if ms}
 
 
 # ---- reporting ----------------------------------------------------------------------------------------------------
@@ -604,6 +611,21 @@ def adaptive_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
     return arms["adaptive"]["output_throughput"] / max(baseline)
 
 
+def paired_adaptive_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
+    """The median over rounds of adaptive's throughput over the best baseline arm's in the same round; None without
+    both sides or with one round. NOTE: under --interleave a round's rows of one concurrency run back to back, so a
+    slow stretch of the host falls on both sides of each ratio; the ratio of medians can pair a slow round of one arm
+    with a fast one of another."""
+    baseline = [r for name, r in arms.items() if name == "no-spec" or name.startswith("fixed-")]
+    if "adaptive" not in arms or not baseline:
+        return None
+    mine = arms["adaptive"]["rounds_output_throughput"]
+    others = [r["rounds_output_throughput"] for r in baseline]
+    if len(mine) < 2 or any(len(o) != len(mine) for o in others):
+        return None
+    return statistics.median(a / max(o[i] for o in others) for i, a in enumerate(mine))
+
+
 def hf_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
     """No-spec's output throughput over transformers' (the issue's goal: >= 20x at C = 256); None without both."""
     if "no-spec" not in arms or HF not in arms:
@@ -616,7 +638,11 @@ def markdown_table(result: dict[str, Any]) -> str:
     table = _by_row(result)
     ratios = [
         (head, fn)
-        for head, fn in (("adaptive / max(no-spec, best fixed)", adaptive_ratio), ("no-spec / hf", hf_ratio))
+        for head, fn in (
+            ("adaptive / max(no-spec, best fixed)", adaptive_ratio),
+            ("paired by round (median)", paired_adaptive_ratio),
+            ("no-spec / hf", hf_ratio),
+        )
         if any(fn(a) is not None for a in table.values())
     ]
     head = ["T", "C", *(f"{a} tok/s" for a in arms), *(h for h, _ in ratios)]

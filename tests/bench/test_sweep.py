@@ -39,6 +39,7 @@ ROW_KEYS = {
     "temperature",
     "output_throughput",
     "rounds_output_throughput",
+    "rounds_step_median_ms",
     "acceptance_length",
     "mean_verify_len",
     "duration",
@@ -125,6 +126,7 @@ def test_rows(sweep: Sweep) -> None:
         assert all(kind in spec_kinds and 0 < n <= row["concurrency"] for _, n, kind, _ in row["spec_steps"])
         assert [i for i, *_ in row["spec_steps"]] == sorted({i for i, *_ in row["spec_steps"]})
         assert row["rounds_spec_steps"] == [len(row["spec_steps"])]  # one round
+        assert row["rounds_step_median_ms"] == [{k: v["median_ms"] for k, v in kinds.items()}]
         assert row["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN  # ignore_eos: every request runs to the end
         assert row["max_in_flight"] == row["concurrency"]  # the limit holds and is reached
         assert row["output_throughput"] > 0 and row["rounds_output_throughput"] == [row["output_throughput"]]
@@ -397,3 +399,18 @@ def test_interleaved_arms_take_turns_row_by_row(
     assert all(len(r["rounds_output_throughput"]) == 2 for r in rows.values())
     assert rows["fixed-1", 4]["identical_to_no_spec"] == f"{NUM_PROMPTS}/{NUM_PROMPTS}"
     assert rows["fixed-1", 4]["spec_decode_num_drafts"] > 0
+
+
+def test_paired_ratio_pairs_rounds() -> None:
+    """The paired ratio divides each round's adaptive throughput by the best baseline arm's in that round, and takes
+    the median: a slow round shared by all arms cancels, where the ratio of medians would pair rounds unevenly."""
+    arms = {
+        "no-spec": {"rounds_output_throughput": [100.0, 50.0, 90.0]},
+        "fixed-1": {"rounds_output_throughput": [60.0, 70.0, 40.0]},
+        "adaptive": {"rounds_output_throughput": [98.0, 69.0, 45.0]},
+    }
+    # rounds: 98 / 100, 69 / 70, 45 / 90 -> median 0.98 (the ratio of medians: 69 / 90)
+    assert sweep_module.paired_adaptive_ratio(arms) == pytest.approx(0.98)
+    assert sweep_module.paired_adaptive_ratio({"adaptive": arms["adaptive"]}) is None
+    one_round = {a: {"rounds_output_throughput": r["rounds_output_throughput"][:1]} for a, r in arms.items()}
+    assert sweep_module.paired_adaptive_ratio(one_round) is None
