@@ -18,9 +18,10 @@
 #   PHASE=ab     : verify_plain against verify()'s row-by-row path (step_profile.py fixed-k configs) at C = 1, 64,
 #                 256, T = 1 then 0, alone on the last GPU.
 #   PHASE=plan   : planning's share of a drafting step at C = 256 and 1024 (step_profile.py adaptive-drafting).
-#   PHASE=hostgap: adaptive's plain steps against no-spec's at C = 256, T = 1 (HOSTGAP_T=0: greedy), with the top host
-#                 functions (step_profile.py --cprofile): adaptive with its regime free (it asks the cost model, as in
-#                 the sweep; it does not draft there) and held plain. Session 6: +0.27 ms on the host, not attributed.
+#   PHASE=hostgap: the host's own work in adaptive's plain steps against no-spec's (step_profile.py, "busy" = wall
+#                 less event waits) at C = 64 and 256, T = 1 (HOSTGAP_TEMPS, HOSTGAP_CONCS, HOSTGAP_CONFIGS), the
+#                 configs alternating; then the top host functions (--cprofile) of each at the first C. Adaptive runs
+#                 with its regime free (it asks the cost model, as in the sweep; it does not draft there).
 #   PHASE=invariant: batch_invariant mode (--batch-invariant): no-spec, fixed-7 and adaptive at C = 1, 16, 256 (T = 0,
 #                 greedy identity with no-spec per row), then no-spec without it at the same C: the mode's cost.
 #   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
@@ -153,11 +154,20 @@ elif [ "$PHASE" = plan ]; then
   on 0 170 python benchmarks/gpu/step_profile.py --device cuda --concurrency 256 1024 --config adaptive-drafting \
     no-spec --steps 20 --output "$OUT/step-profile-plan.json" 2>&1 | quiet | grep -v "^ *$" | tail -12
 elif [ "$PHASE" = hostgap ]; then
-  for cfg in no-spec adaptive adaptive-plain; do
-    on 0 170 python benchmarks/gpu/step_profile.py --device cuda --concurrency 256 --config $cfg --steps 60 \
-      --temperature "${HOSTGAP_T:-1}" --cprofile 30 --output "$OUT/hostgap-$cfg.json" > "$OUT/hostgap-$cfg.log" 2>&1
-    grep "C=256" "$OUT/hostgap-$cfg.log"
+  # The host's own work ("busy": wall less event waits) of adaptive's plain steps against no-spec's, the configs
+  # alternating, then the top host functions (--cprofile) of each at the first concurrency.
+  for t in ${HOSTGAP_TEMPS:-1}; do
+    on 0 "${HOSTGAP_S:-200}" python benchmarks/gpu/step_profile.py --device cuda --concurrency ${HOSTGAP_CONCS:-64 256} \
+      --config ${HOSTGAP_CONFIGS:-no-spec adaptive no-spec adaptive} --steps 200 --temperature "$t" \
+      --output "$OUT/hostgap-t$t.json" 2>&1 | quiet | grep -v "^ *$" > "$OUT/hostgap-t$t.log"
+    grep "ms/step" "$OUT/hostgap-t$t.log"
   done
+  c=$(echo ${HOSTGAP_CONCS:-64 256} | cut -d' ' -f1)
+  for cfg in no-spec adaptive; do
+    on 0 100 python benchmarks/gpu/step_profile.py --device cuda --concurrency "$c" --config $cfg --steps 100 \
+      --temperature "$(echo ${HOSTGAP_TEMPS:-1} | cut -d' ' -f1)" --cprofile 30 > "$OUT/cprofile-$cfg.log" 2>&1
+  done
+  grep "ms/step" "$OUT"/cprofile-*.log
 elif [ "$PHASE" = invariant ]; then
   for mode in invariant default; do
     flag=$([ "$mode" = invariant ] && echo "--batch-invariant"); arms=$([ "$mode" = invariant ] \

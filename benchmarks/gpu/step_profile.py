@@ -114,6 +114,16 @@ def profile(
 
     Proposal.token_ids = property(timed_wait)  # type: ignore[method-assign,assignment]
     wrap(engine, "_process", "process", acc)
+    # Every event wait of the host (the step's download, a graph replay's staging copies, the planner's copies), inside
+    # the phases above: a step's host work is its wall time less this ("busy" below).
+    event_sync = torch.cuda.Event.synchronize
+
+    def timed_sync(event: torch.cuda.Event) -> None:
+        start = time.perf_counter()
+        event_sync(event)
+        acc["wait"] += time.perf_counter() - start
+
+    torch.cuda.Event.synchronize = timed_sync  # type: ignore[method-assign]
     eager = collections.Counter()  # steps the CUDA graphs did not cover, by (tokens, requests, max query length)
     graphs = engine.runner.graphs
     if graphs is not None:
@@ -170,8 +180,9 @@ def profile(
     phases = {k: v / steps * 1e3 for k, v in acc.most_common()}
     # the rest of step(): bookkeeping, drafting's own (plan.* sit inside planner.plan)
     phases["other"] = wall / steps * 1e3 - sum(
-        v for k, v in phases.items() if not k.startswith("plan.") and not k.startswith("gc")
+        v for k, v in phases.items() if not k.startswith("plan.") and not k.startswith("gc") and k != "wait"
     )
+    phases["busy"] = wall / steps * 1e3 - phases.get("wait", 0.0)  # the host's own time a step
     row = {"config": name, "concurrency": concurrency, "temperature": temperature, "step_ms": wall / steps * 1e3}
     row["tokens_per_s"] = tokens / wall
     # requests in the timed steps (a row whose KV cache or token budget held requests back shows it here)
@@ -192,6 +203,7 @@ def profile(
     for fn, original in PLAN_PARTS.items():  # unwrapped again for the next engine
         setattr(planner_module, fn, original)
     Proposal.token_ids = property(wait)  # type: ignore[method-assign,assignment]
+    torch.cuda.Event.synchronize = event_sync  # type: ignore[method-assign]
     del llm, engine
     gc.collect()
     if device == "cuda":

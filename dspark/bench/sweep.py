@@ -65,6 +65,7 @@ COUNTERS = (
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
     "spec_decode_num_steps_without_drafting",
+    "num_pipelined_steps",  # async scheduling: steps launched before the previous one was collected
 )
 HF = "hf"  # the Hugging Face transformers arm
 HF_MAX_CONCURRENCY = 256  # the hf arm's default concurrencies are the sweep's up to this: it is slow above
