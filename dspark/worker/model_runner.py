@@ -209,6 +209,12 @@ class ModelRunner:
         in_graph = key is not None and self.graphs is not None and self.graphs.context_writer is not None
         if self.drafter is not None and self.drafter.tap_layers and not in_graph:
             # The drafter's context grows by what the target keeps: every plain token and the accepted drafts.
+            if not any(s.spec_token_ids for s in sched.scheduled):
+                # NOTE: no drafts in the step (prompt chunks, plain decode): it keeps every row, so a slice, without a
+                # Python list of every row (8192 in a full prefill step), its upload and a gather of the taps.
+                n = query_start[-1]
+                self.drafter.extend_context(None if tapped is None else tapped[:n], pos[:n], slot_mapping[:n])
+                return launched
             keep = [
                 i
                 for r, s in enumerate(sched.scheduled)
