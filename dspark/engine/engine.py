@@ -198,6 +198,7 @@ class LLMEngine:
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         )
         self._inflight: Launched | None = None  # async scheduling: a step launched and not collected yet
+        self._ending_ms = 0.0  # this step's host time spent ending requests (their final output): see _process
         self.stats = {
             "num_requests_finished": 0,
             "num_requests_aborted": 0,
@@ -448,6 +449,7 @@ class LLMEngine:
             ]
             records = self.planner.record(outcomes, trace=self.trace is not None)
         num_live = num_emitted = 0  # the requests this step served, and their tokens (a voided token is neither)
+        self._ending_ms = 0.0
         # NOTE: a continued step's drafting choice is made (plain): no list of who would draft. At C = 1024 its appends
         # were most of what adaptive's plain step added on the host: _step's own time 0.71 against no-spec's 0.60 ms a
         # step (cProfile of benchmarks/host_step.py --spec --async-scheduling, 2-vCPU machine).
@@ -497,9 +499,13 @@ class LLMEngine:
         self.last_step_kind = step_kind(has_chunk, bool(num_held), drafted)
         if self.planner is not None:
             if continued:
-                self.planner.continued_step_finished(num_live, num_emitted, bool(self._inflight), drafted)
+                self.planner.continued_step_finished(
+                    num_live, num_emitted, bool(self._inflight), drafted, ending_ms=self._ending_ms
+                )
             else:
-                self.planner.step_finished(drafted, num_emitted, chain_starts=self._inflight is not None)
+                self.planner.step_finished(
+                    drafted, num_emitted, chain_starts=self._inflight is not None, ending_ms=self._ending_ms
+                )
         if self.trace is not None and records:
             self.trace.step(
                 self.stats["num_steps"], sched.num_tokens - sum(r["num_verified"] for r in records), records
@@ -609,15 +615,22 @@ class LLMEngine:
                 break
         # NOTE: after the accepted drafts are appended (a block's hash needs its tokens), before finishing frees it.
         self.kv.cache_computed_blocks(req)
-        if status is not None:
-            if tracked.deferred:
-                tracked.text += tracked.detok.add_all(tracked.deferred)
-                tracked.deferred = []
-            self._finish(req, status, now)
-            del self._tracked[req.request_id]
-        elif req.sampling_params.output_kind == "final_only":
-            return None
-        return self._output(tracked, finished=status is not None)
+        if status is None:
+            return None if req.sampling_params.output_kind == "final_only" else self._output(tracked, finished=False)
+        # Ending a request (its deferred text, freeing it, its final output) costs host time once per request whatever
+        # the regime: the planner takes it out of the step's measured time. NOTE: counted in, a step where 64 requests
+        # ended at once (~0.1 ms each for 256 tokens of final_only text) read as a plain step of several ms; on the H200
+        # such steps at the tails of C = 256 rows put level 7's plain rate at 6 tokens/ms against a real ~50, and the
+        # C = 64 rows then drafted at 0.4-0.7x of no-spec (session 8).
+        start = time.perf_counter()
+        if tracked.deferred:
+            tracked.text += tracked.detok.add_all(tracked.deferred)
+            tracked.deferred = []
+        self._finish(req, status, now)
+        del self._tracked[req.request_id]
+        out = self._output(tracked, finished=True)
+        self._ending_ms += (time.perf_counter() - start) * 1e3
+        return out
 
     def _append(self, tracked: _Tracked, sampled: SampledRow) -> RequestStatus | None:
         req = tracked.request

@@ -90,6 +90,16 @@ class CalibrationMonitor:
         return float(np.abs(self.bin_predicted - self.bin_realised).sum()) / total if total else 0.0
 
 
+ENDING_FLOOR = 0.05  # the least share of a step's measured time left after taking out the host's ending work
+
+
+def without_ending(measured_ms: float, ending_ms: float) -> float:
+    """A step's measured time less the host time it spent ending requests, which every regime pays once per request.
+    Both ways of timing a step hold that work serially (a continued step's wall time; an event pair, whose device waits
+    for the host's processing before the next launch); the floor only guards a measurement against a clock's noise."""
+    return max(measured_ms - ending_ms, ENDING_FLOOR * measured_ms)
+
+
 @dataclass
 class _Timed:
     num_requests: int
@@ -101,6 +111,7 @@ class _Timed:
     drafted: bool
     num_emitted: int
     decode_only: bool  # every request fed one token besides its drafts (no prompt chunk)
+    ending_ms: float = 0.0  # host time the step spent ending requests: taken out of its measured time
 
 
 @dataclass
@@ -123,6 +134,7 @@ class StepTiming:
             else:
                 measured = (t.end - float(t.start)) * 1e3
             self.pending.popleft()
+            measured = without_ending(measured, t.ending_ms)
             base = (t.base_ms - measured) / max(measured, 1e-6)
             refined = (t.refined_ms - measured) / max(measured, 1e-6)
             self.num_steps += 1
@@ -485,7 +497,9 @@ class VerificationPlanner:
         else:
             self._step_start = time.perf_counter()
 
-    def step_finished(self, drafted: bool, num_emitted: int, chain_starts: bool = False) -> None:
+    def step_finished(
+        self, drafted: bool, num_emitted: int, chain_starts: bool = False, ending_ms: float = 0.0
+    ) -> None:
         """After the step's drafting: its measured time against the cost model's prediction for what it ran (the
         target pass, and the drafter's pass if it drafted), which also refines the model online.
 
@@ -494,7 +508,9 @@ class VerificationPlanner:
         NOTE: without it the first continued step of every pipelined run went unmeasured, and a regime burst of plain
         steps (a switching step, then two plain ones, the first launched alone) measured none: on the H200 at T = 1
         a fresh engine's C = 64 row, whose model said draft, found no plain rate at its level for 20 steps and
-        drafted in 25 of them (session 7's t1-check, 0.69x of no-spec)."""
+        drafted in 25 of them (session 7's t1-check, 0.69x of no-spec).
+
+        ending_ms: the host time the step spent ending requests (engine._process), not part of either regime's cost."""
         self._last_continued = time.perf_counter() if chain_starts else None
         if self._shape is None or self._step_start is None or self.cost is None:
             return
@@ -519,6 +535,7 @@ class VerificationPlanner:
             drafted,
             num_emitted,
             self._decode_only,
+            ending_ms,
         )
         self.timing.pending.append(timed)
         self.timing.harvest(self.cost, self.regime)
@@ -530,17 +547,19 @@ class VerificationPlanner:
         self._step_start = self._shape = None
         self._last_continued = None
 
-    def continued_step_finished(self, num_requests: int, num_emitted: int, chain_goes_on: bool, drafted: bool) -> None:
+    def continued_step_finished(
+        self, num_requests: int, num_emitted: int, chain_goes_on: bool, drafted: bool, ending_ms: float = 0.0
+    ) -> None:
         """A continued step (async scheduling: launched before its predecessor was collected) was collected. Such steps
         verify no drafts; their cost is the host wall time from one's collection to the next's (the device runs one
         while the host processes the other, so no pair of events brackets a step). A plain one feeds the plain
         regime's rate and the cost model's plain residual; one that drafted (the regime chose to draft after it, ending
         the run) switches regime and is not a measurement of either regime's rate, but feeds the speculative
-        residual."""
+        residual. ending_ms: as step_finished's."""
         now = time.perf_counter()
         if self._last_continued is not None and self.adaptive and self.cost is not None:
             self.timing.harvest(self.cost, self.regime)  # older event-timed steps first: the regime sees steps in order
-            ms = (now - self._last_continued) * 1e3
+            ms = without_ending((now - self._last_continued) * 1e3, ending_ms)
             self.regime.observe(num_requests, False, drafted, num_emitted, ms)
             # NOTE: and the cost model: what a plain step costs in a pipelined run (its host work overlaps the device's,
             # unlike the profiled step run alone) is what drafting must beat; one that drafted is the first step of a

@@ -416,10 +416,10 @@ def test_a_continued_step_that_drafts_is_not_measured_as_plain(
             priced.append((engine.last_step_kind, speculative))
         cost_observe(n, base_ms, ms, speculative)
 
-    def spy_finished(*args: Any) -> None:
+    def spy_finished(*args: Any, **kwargs: Any) -> None:
         inside["on"] = True
         try:
-            finished(*args)
+            finished(*args, **kwargs)
         finally:
             inside["on"] = False
 
@@ -454,11 +454,11 @@ def test_every_plain_step_of_a_pipelined_run_is_measured(tiny_model_dirs: dict[s
             measured_plain[0] += 1
         observe(n, verified, drafted, tokens, ms)
 
-    def spy_finished(num_requests: int, num_emitted: int, chain_goes_on: bool, drafted: bool) -> None:
+    def spy_finished(num_requests: int, num_emitted: int, chain_goes_on: bool, drafted: bool, **kw: Any) -> None:
         continued_plain[0] += not drafted
         inside["on"] = True
         try:
-            finished(num_requests, num_emitted, chain_goes_on, drafted)
+            finished(num_requests, num_emitted, chain_goes_on, drafted, **kw)
         finally:
             inside["on"] = False
 
@@ -561,3 +561,42 @@ def test_a_queue_that_cannot_be_admitted_does_not_stop_the_overlap(untied_model:
     assert stats["num_pipelined_steps"] >= 0.8 * stats["num_steps"], stats
     assert stats["num_steps"] <= sync.engine.stats["num_steps"] + 4
     _check_idle(llm.engine)
+
+
+def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str) -> None:
+    """A request that ends has its final output built in that step (its deferred text, freeing it, the output): host
+    work every regime pays once per request. Neither the regime's rates nor the cost model may read it as the step's
+    cost. Session 8, on the H200: counted in, the steps where a sweep row's requests ended read as plain steps of
+    several ms, level 7's plain rate fell to 6 tokens/ms against a real ~50, and C = 64 rows drafted at 0.4-0.7x of
+    no-spec. Here ending a request takes 0.3 s; every measured step must read as a decode step."""
+    import time
+
+    llm = _plain_adaptive_ngram(untied_model)
+    engine, planner = llm.engine, llm.engine.planner
+    assert planner is not None and planner.cost is not None
+    finish = engine._finish
+
+    def slow_finish(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.3)
+        finish(*args, **kwargs)
+
+    engine._finish = slow_finish  # type: ignore[method-assign]
+    observed: list[float] = []
+    priced: list[float] = []
+    observe, cost_observe = planner.regime.observe, planner.cost.observe
+    planner.regime.observe = lambda n, v, d, tokens, ms: (observed.append(ms), observe(n, v, d, tokens, ms))  # type: ignore[method-assign]
+    planner.cost.observe = lambda n, base, ms, speculative: (priced.append(ms), cost_observe(n, base, ms, speculative))  # type: ignore[method-assign]
+    measured_endings = [0]  # continued steps that were timed and ended a request
+    continued = planner.continued_step_finished
+
+    def spy(*args: Any, ending_ms: float = 0.0, **kwargs: Any) -> None:
+        measured_endings[0] += planner._last_continued is not None and ending_ms >= 300
+        continued(*args, ending_ms=ending_ms, **kwargs)
+
+    planner.continued_step_finished = spy  # type: ignore[method-assign]
+    prompts = _prompts(5, [6, 9, 4])
+    # they end at different steps, each while the others decode on in a pipelined run
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
+    llm.generate(prompts, params)
+    assert measured_endings[0] >= 2 and len(observed) >= 20
+    assert max(observed) < 150 and max(priced) < 150, (max(observed), max(priced))
