@@ -434,7 +434,9 @@ class LLMEngine:
             if self.planner is not None and not continued:
                 self.planner.skip_timing()  # its measured time would include the next step's launch
             self._inflight = self.runner.launch(nxt, previous=launched)
+        waited = time.perf_counter()
         result = self.runner.collect(launched)
+        wait_ms = (time.perf_counter() - waited) * 1e3  # the planner's timing of the next continued step needs it
         self.stats["num_steps"] += 1
         self.stats["num_pipelined_steps"] += continued
         now = time.monotonic()
@@ -449,7 +451,7 @@ class LLMEngine:
             ]
             records = self.planner.record(outcomes, trace=self.trace is not None)
         num_live = num_emitted = 0  # the requests this step served, and their tokens (a voided token is neither)
-        self._ending_ms = 0.0
+        self._ending_ms = 0.0  # NOTE: an abort between steps is not counted: outside an event-timed step's interval
         # NOTE: a continued step's drafting choice is made (plain): no list of who would draft. At C = 1024 its appends
         # were most of what adaptive's plain step added on the host: _step's own time 0.71 against no-spec's 0.60 ms a
         # step (cProfile of benchmarks/host_step.py --spec --async-scheduling, 2-vCPU machine).
@@ -500,11 +502,15 @@ class LLMEngine:
         if self.planner is not None:
             if continued:
                 self.planner.continued_step_finished(
-                    num_live, num_emitted, bool(self._inflight), drafted, ending_ms=self._ending_ms
+                    num_live, num_emitted, bool(self._inflight), drafted, ending_ms=self._ending_ms, wait_ms=wait_ms
                 )
             else:
                 self.planner.step_finished(
-                    drafted, num_emitted, chain_starts=self._inflight is not None, ending_ms=self._ending_ms
+                    drafted,
+                    num_emitted,
+                    chain_starts=self._inflight is not None,
+                    ending_ms=self._ending_ms,
+                    wait_ms=wait_ms,
                 )
         if self.trace is not None and records:
             self.trace.step(
@@ -623,14 +629,15 @@ class LLMEngine:
         # such steps at the tails of C = 256 rows put level 7's plain rate at 6 tokens/ms against a real ~50, and the
         # C = 64 rows then drafted at 0.4-0.7x of no-spec (session 8).
         start = time.perf_counter()
-        if tracked.deferred:
-            tracked.text += tracked.detok.add_all(tracked.deferred)
-            tracked.deferred = []
-        self._finish(req, status, now)
-        del self._tracked[req.request_id]
-        out = self._output(tracked, finished=True)
-        self._ending_ms += (time.perf_counter() - start) * 1e3
-        return out
+        try:
+            if tracked.deferred:
+                tracked.text += tracked.detok.add_all(tracked.deferred)
+                tracked.deferred = []
+            self._finish(req, status, now)
+            del self._tracked[req.request_id]
+            return self._output(tracked, finished=True)
+        finally:
+            self._ending_ms += (time.perf_counter() - start) * 1e3
 
     def _append(self, tracked: _Tracked, sampled: SampledRow) -> RequestStatus | None:
         req = tracked.request
@@ -689,10 +696,14 @@ class LLMEngine:
 
     def _fail(self, req: Request, now: float) -> RequestOutput:
         """Finish the request with finish_reason "error", freeing its blocks; its final output carries what it had."""
-        tracked = self._tracked.pop(req.request_id)
-        self._finish(req, RequestStatus.FINISHED_ERROR, now)
-        self.stats["num_requests_failed"] += 1
-        return self._output(tracked, finished=True)
+        start = time.perf_counter()
+        try:
+            tracked = self._tracked.pop(req.request_id)
+            self._finish(req, RequestStatus.FINISHED_ERROR, now)
+            self.stats["num_requests_failed"] += 1
+            return self._output(tracked, finished=True)
+        finally:
+            self._ending_ms += (time.perf_counter() - start) * 1e3
 
     def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         self.scheduler.finish(req, status)

@@ -90,14 +90,21 @@ class CalibrationMonitor:
         return float(np.abs(self.bin_predicted - self.bin_realised).sum()) / total if total else 0.0
 
 
-ENDING_FLOOR = 0.05  # the least share of a step's measured time left after taking out the host's ending work
+ENDING_MIN_SHARE = 0.2  # a step whose measured time is ending work beyond this share is not a measurement
 
 
-def without_ending(measured_ms: float, ending_ms: float) -> float:
-    """A step's measured time less the host time it spent ending requests, which every regime pays once per request.
-    Both ways of timing a step hold that work serially (a continued step's wall time; an event pair, whose device waits
-    for the host's processing before the next launch); the floor only guards a measurement against a clock's noise."""
-    return max(measured_ms - ending_ms, ENDING_FLOOR * measured_ms)
+def without_ending(measured_ms: float, ending_ms: float, shortened_ms: float = 0.0) -> float | None:
+    """A step's measured time less the host time it spent ending requests, which every regime pays once per request,
+    plus what the previous step's ending work took off this step's wait (async scheduling: the device ran this step
+    while the host ended those requests). None where ending work was nearly all of the step: what is left is noise.
+
+    Both ways of timing a step hold its ending work serially: a continued step's interval runs from the end of the
+    previous step's processing to the end of this one's; an event pair spans the host's processing, during which the
+    device has nothing queued (its next launch comes after)."""
+    if not ending_ms and not shortened_ms:
+        return measured_ms
+    rest = measured_ms - ending_ms
+    return rest + shortened_ms if rest >= ENDING_MIN_SHARE * measured_ms else None
 
 
 @dataclass
@@ -134,7 +141,10 @@ class StepTiming:
             else:
                 measured = (t.end - float(t.start)) * 1e3
             self.pending.popleft()
-            measured = without_ending(measured, t.ending_ms)
+            kept = without_ending(measured, t.ending_ms)
+            if kept is None:
+                continue
+            measured = kept
             base = (t.base_ms - measured) / max(measured, 1e-6)
             refined = (t.refined_ms - measured) / max(measured, 1e-6)
             self.num_steps += 1
@@ -230,6 +240,7 @@ class VerificationPlanner:
         self._prepared: tuple[tuple[list[str], list[int], int, int], int] | None = None
         self.num_prepared_budgets = 0  # planned steps whose budget prepare() had chosen
         self._last_continued: float | None = None  # when the last continued step was collected, in a run of them
+        self._shortened_ms = 0.0  # what the last step's ending work took off the next continued step's wait
 
     @property
     def adaptive(self) -> bool:
@@ -498,7 +509,7 @@ class VerificationPlanner:
             self._step_start = time.perf_counter()
 
     def step_finished(
-        self, drafted: bool, num_emitted: int, chain_starts: bool = False, ending_ms: float = 0.0
+        self, drafted: bool, num_emitted: int, chain_starts: bool = False, ending_ms: float = 0.0, wait_ms: float = 0.0
     ) -> None:
         """After the step's drafting: its measured time against the cost model's prediction for what it ran (the
         target pass, and the drafter's pass if it drafted), which also refines the model online.
@@ -510,8 +521,13 @@ class VerificationPlanner:
         a fresh engine's C = 64 row, whose model said draft, found no plain rate at its level for 20 steps and
         drafted in 25 of them (session 7's t1-check, 0.69x of no-spec).
 
-        ending_ms: the host time the step spent ending requests (engine._process), not part of either regime's cost."""
+        ending_ms: the host time the step spent ending requests (engine._process), not part of either regime's cost.
+        wait_ms: the host's wait for the step's outputs (the runner's collect). With async scheduling the device ran
+        the next step during this one's ending work, so that step waits up to min(ending_ms, wait_ms) less: it is
+        added back to that step's time (a review's finding: subtracted here alone, a plain step read D and the next
+        D - ending, a bias to high plain rates)."""
         self._last_continued = time.perf_counter() if chain_starts else None
+        self._shortened_ms = min(ending_ms, wait_ms) if chain_starts else 0.0
         if self._shape is None or self._step_start is None or self.cost is None:
             return
         num_requests, num_tokens = self._shape
@@ -546,20 +562,31 @@ class VerificationPlanner:
         measured time would hold that launch."""
         self._step_start = self._shape = None
         self._last_continued = None
+        self._shortened_ms = 0.0
 
     def continued_step_finished(
-        self, num_requests: int, num_emitted: int, chain_goes_on: bool, drafted: bool, ending_ms: float = 0.0
+        self,
+        num_requests: int,
+        num_emitted: int,
+        chain_goes_on: bool,
+        drafted: bool,
+        ending_ms: float = 0.0,
+        wait_ms: float = 0.0,
     ) -> None:
         """A continued step (async scheduling: launched before its predecessor was collected) was collected. Such steps
         verify no drafts; their cost is the host wall time from one's collection to the next's (the device runs one
         while the host processes the other, so no pair of events brackets a step). A plain one feeds the plain
         regime's rate and the cost model's plain residual; one that drafted (the regime chose to draft after it, ending
         the run) switches regime and is not a measurement of either regime's rate, but feeds the speculative
-        residual. ending_ms: as step_finished's."""
+        residual. ending_ms, wait_ms: as step_finished's."""
         now = time.perf_counter()
+        shortened, self._shortened_ms = self._shortened_ms, min(ending_ms, wait_ms) if chain_goes_on else 0.0
         if self._last_continued is not None and self.adaptive and self.cost is not None:
             self.timing.harvest(self.cost, self.regime)  # older event-timed steps first: the regime sees steps in order
-            ms = without_ending((now - self._last_continued) * 1e3, ending_ms)
+            ms = without_ending((now - self._last_continued) * 1e3, ending_ms, shortened)
+            if ms is None:  # nearly all ending work: nothing left to measure
+                self._last_continued = now if chain_goes_on else None
+                return
             self.regime.observe(num_requests, False, drafted, num_emitted, ms)
             # NOTE: and the cost model: what a plain step costs in a pipelined run (its host work overlaps the device's,
             # unlike the profiled step run alone) is what drafting must beat; one that drafted is the first step of a
