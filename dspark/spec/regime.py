@@ -6,7 +6,9 @@ host work that differs between verifying and plain sampling, real contexts, othe
 drafting pays but plain steps are in fact faster (or the reverse), the engine should follow the measurement. Each load
 level (requests emitting a token, in powers of two) keeps an exponential average of tokens/ms for steady steps of each
 regime: "spec" steps verified drafts and drafted again, "plain" steps did neither (a step that switches regime is
-neither). Once both are known the faster wins; on a near tie (within 3%) the engine stays in the regime it is in,
+neither). A level's rate for a regime is never taken below that regime's rate at a lower load: more requests a step do
+not make fewer tokens a millisecond, and what pollutes a measurement (a stalled host) only ever pulls it down. Once
+both are known the faster wins; on a near tie (within 3%) the engine stays in the regime it is in,
 without asking the model: the model cannot see a drafting step's host work and leans to drafting, and on the H200,
 levels a sweep row's ramp and tail pass through measured near ties on a few steps (level 8 of a C = 256 row: 20.7
 against 21.5 tokens/ms), where the old rule left the choice to the model (that it then drafted there is inferred from
@@ -97,7 +99,10 @@ class RegimeChooser:
             choice = lv.burst_regime
         else:
             if len(lv.rate) == 2:
-                spec, plain = lv.rate[True], lv.rate[False]
+                spec, plain = (
+                    self._floored(self.level(num_requests), True),
+                    self._floored(self.level(num_requests), False),
+                )
                 if spec > plain * (1 + MARGIN) or plain > spec * (1 + MARGIN):
                     choice = spec > plain
                 else:  # a near tie: stay (hysteresis), the model only when nothing was chosen yet
@@ -125,6 +130,18 @@ class RegimeChooser:
         counts = self.num_chosen.setdefault(self.level(num_requests), {"spec": 0, "plain": 0})
         counts["spec" if choice else "plain"] += 1
         return choice
+
+    def _floored(self, level: int, regime: bool) -> float:
+        """The level's rate for a regime, but never below that regime's rate at a lower load: more requests a step do
+        not make fewer tokens a millisecond. Steps the host slowed for reasons of its own only ever pull a rate down,
+        and a regime a level no longer runs is re-measured only in rare bursts. NOTE: on the H200 (session 8) level 7
+        read plain decoding at 6 tokens/ms (steps that ended requests counted in; fixed since) against 42 at level 6
+        and drafting's 25, and drafted in every C = 64 row from then on (0.45x of no-spec at T = 1)."""
+        rate = self.levels[level].rate[regime]
+        for other, lv in self.levels.items():
+            if other < level and regime in lv.rate:
+                rate = max(rate, lv.rate[regime])
+        return rate
 
     def _neighbour(self, level: int) -> tuple[bool, _Level] | None:
         """For a level not measured yet: plain if a lower load measured plain clearly faster, drafting if a higher load

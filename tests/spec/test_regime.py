@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from dspark.spec.regime import BURST, EXPLORE_SHARE, FIRST_PERIOD, MAX_PERIOD, RegimeChooser, Verdict
 
 
@@ -254,3 +256,25 @@ def test_a_drafting_verdict_with_predictions_still_explores_plain_early() -> Non
     with predictions is not trusted to delay the plain burst: plain steps are cheap to try."""
     verdict = Verdict(True, rate={True: 1.2, False: 1.0}, ms={True: 3.0, False: 1.0})
     assert _first_burst(RegimeChooser(), verdict, 10, regime=False) == FIRST_PERIOD
+
+
+def test_a_rate_pulled_under_a_lower_loads_does_not_decide() -> None:
+    """More requests a step do not make fewer tokens a millisecond, so a regime's rate at a level is never taken below
+    its rate at a lower load. Session 8 on the H200: level 7 (64-127 requests) read plain decoding at 6 tokens/ms, from
+    steps that ended requests, against 42 at level 6 and drafting's 25 at level 7, and then drafted in every C = 64
+    row. With the lower load's plain rate as a floor, level 7 stays plain."""
+    chooser = RegimeChooser()
+    for _ in range(20):  # level 6 (32-63 requests): plain measured at 42 tokens/ms, drafting at 12
+        chooser.observe(48, False, False, 48, 48 / 42)
+        chooser.observe(48, True, True, 48, 48 / 12)
+    for _ in range(20):  # level 7: drafting at 25, plain pulled down to 6
+        chooser.observe(64, True, True, 64, 64 / 25)
+        chooser.observe(64, False, False, 64, 64 / 6)
+    level = chooser.levels[chooser.level(64)]
+    assert level.rate[False] == pytest.approx(6) and level.rate[True] == pytest.approx(25)
+    choices = [chooser.choose(64, True) for _ in range(40)]
+    assert sum(choices) <= 3  # plain, bar an exploration burst of drafting
+    # without the lower level, the same rates choose drafting
+    alone = RegimeChooser()
+    alone.levels[alone.level(64)] = level
+    assert sum(alone.choose(64, True) for _ in range(40)) >= 37
