@@ -451,7 +451,9 @@ class LLMEngine:
             ]
             records = self.planner.record(outcomes, trace=self.trace is not None)
         num_live = num_emitted = 0  # the requests this step served, and their tokens (a voided token is neither)
-        self._ending_ms = 0.0  # NOTE: an abort between steps is not counted: outside an event-timed step's interval
+        # NOTE: what runs between step() calls (an abort's freeing, the caller's own work) is not counted: it is outside
+        # an event-timed step, though inside a continued step's interval.
+        self._ending_ms = 0.0
         # NOTE: a continued step's drafting choice is made (plain): no list of who would draft. At C = 1024 its appends
         # were most of what adaptive's plain step added on the host: _step's own time 0.71 against no-spec's 0.60 ms a
         # step (cProfile of benchmarks/host_step.py --spec --async-scheduling, 2-vCPU machine).

@@ -240,7 +240,9 @@ class VerificationPlanner:
         self._prepared: tuple[tuple[list[str], list[int], int, int], int] | None = None
         self.num_prepared_budgets = 0  # planned steps whose budget prepare() had chosen
         self._last_continued: float | None = None  # when the last continued step was collected, in a run of them
-        self._shortened_ms = 0.0  # what the last step's ending work took off the next continued step's wait
+        # The last step's ending work and wait: its ending work may have taken some of the next continued step's wait
+        # (None: unknown, so the next continued step is not measured).
+        self._before: tuple[float, float] | None = (0.0, 0.0)
 
     @property
     def adaptive(self) -> bool:
@@ -522,12 +524,12 @@ class VerificationPlanner:
         drafted in 25 of them (session 7's t1-check, 0.69x of no-spec).
 
         ending_ms: the host time the step spent ending requests (engine._process), not part of either regime's cost.
-        wait_ms: the host's wait for the step's outputs (the runner's collect). With async scheduling the device ran
-        the next step during this one's ending work, so that step waits up to min(ending_ms, wait_ms) less: it is
-        added back to that step's time (a review's finding: subtracted here alone, a plain step read D and the next
-        D - ending, a bias to high plain rates)."""
+        wait_ms: the host's wait for the step's outputs (the runner's collect). With async scheduling the device runs
+        the next step during this one's ending work, so that step waits less, and its time is short by as much; see
+        continued_step_finished. A step launched alone waits for its whole device time, which says nothing of the
+        next step's usual wait: after one that ended requests, the first continued step is not measured."""
         self._last_continued = time.perf_counter() if chain_starts else None
-        self._shortened_ms = min(ending_ms, wait_ms) if chain_starts else 0.0
+        self._before = None if ending_ms else (0.0, wait_ms)
         if self._shape is None or self._step_start is None or self.cost is None:
             return
         num_requests, num_tokens = self._shape
@@ -562,7 +564,7 @@ class VerificationPlanner:
         measured time would hold that launch."""
         self._step_start = self._shape = None
         self._last_continued = None
-        self._shortened_ms = 0.0
+        self._before = (0.0, 0.0)
 
     def continued_step_finished(
         self,
@@ -578,13 +580,21 @@ class VerificationPlanner:
         while the host processes the other, so no pair of events brackets a step). A plain one feeds the plain
         regime's rate and the cost model's plain residual; one that drafted (the regime chose to draft after it, ending
         the run) switches regime and is not a measurement of either regime's rate, but feeds the speculative
-        residual. ending_ms, wait_ms: as step_finished's."""
+        residual.
+
+        ending_ms, wait_ms: as step_finished's. The previous step's ending work ran while the device ran this step,
+        so this step waited less than the previous one did, by at most that work: what its wait lost is given back to
+        its time (a review's finding: with the ending work only taken out of the step that did it, that step read D and
+        the next D - ending, a bias to high plain rates)."""
         now = time.perf_counter()
-        shortened, self._shortened_ms = self._shortened_ms, min(ending_ms, wait_ms) if chain_goes_on else 0.0
+        before, self._before = self._before, (ending_ms, wait_ms)
         if self._last_continued is not None and self.adaptive and self.cost is not None:
             self.timing.harvest(self.cost, self.regime)  # older event-timed steps first: the regime sees steps in order
-            ms = without_ending((now - self._last_continued) * 1e3, ending_ms, shortened)
-            if ms is None:  # nearly all ending work: nothing left to measure
+            ms = None
+            if before is not None:
+                shortened = min(before[0], max(0.0, before[1] - wait_ms))
+                ms = without_ending((now - self._last_continued) * 1e3, ending_ms, shortened)
+            if ms is None:  # nearly all ending work, or what the previous step's took is unknown
                 self._last_continued = now if chain_goes_on else None
                 return
             self.regime.observe(num_requests, False, drafted, num_emitted, ms)

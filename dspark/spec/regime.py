@@ -86,7 +86,8 @@ class RegimeChooser:
         leave the choice to it (none measured yet and no neighbour's verdict). On the H200 host its tensor ops took
         20-30 ms a call at R = 512 under torch.profiler (benchmarks/gpu/plain_step_trace.py); asked every 8 plain
         steps, that was the gap between adaptive's plain steps (7.4 ms) and no-spec's (5.6 ms)."""
-        lv = self.levels.setdefault(self.level(num_requests), _Level())
+        level = self.level(num_requests)
+        lv = self.levels.setdefault(level, _Level())
 
         def ask() -> bool:
             answer = model_says_draft() if callable(model_says_draft) else model_says_draft
@@ -98,24 +99,23 @@ class RegimeChooser:
             lv.burst -= 1
             choice = lv.burst_regime
         else:
-            if len(lv.rate) == 2:
-                spec, plain = (
-                    self._floored(self.level(num_requests), True),
-                    self._floored(self.level(num_requests), False),
-                )
+            rate = lv.rate
+            if len(rate) == 2:
+                rate = {True: rate[True], False: self._plain_floor(level)}
+                spec, plain = rate[True], rate[False]
                 if spec > plain * (1 + MARGIN) or plain > spec * (1 + MARGIN):
                     choice = spec > plain
                 else:  # a near tie: stay (hysteresis), the model only when nothing was chosen yet
                     choice = self._current if self._current is not None else ask()
             else:
-                found = self._neighbour(self.level(num_requests))
+                found = self._neighbour(level)
                 if found is None:
                     choice = ask()
                 else:
                     choice, lv.predicted = found[0], None
             self._current = choice
             other = not choice
-            own = max(lv.period, self._spacing(lv))
+            own = max(lv.period, self._spacing(lv, rate))
             if lv.since[other] >= max(own, self._inherited_gap(lv, num_requests)):
                 lv.burst, lv.burst_regime = BURST - 1, other
                 # NOTE: doubled from the level's own gap just waited, not from the period alone: once the spacing
@@ -127,21 +127,21 @@ class RegimeChooser:
                 choice = other
         lv.since[choice] = 0
         lv.since[not choice] += 1
-        counts = self.num_chosen.setdefault(self.level(num_requests), {"spec": 0, "plain": 0})
+        counts = self.num_chosen.setdefault(level, {"spec": 0, "plain": 0})
         counts["spec" if choice else "plain"] += 1
         return choice
 
-    def _floored(self, level: int, regime: bool) -> float:
-        """The level's rate for a regime, but never below that regime's rate at a lower load: more requests a step do
-        not make fewer tokens a millisecond. Steps the host slowed for reasons of its own only ever pull a rate down,
-        and a regime a level no longer runs is re-measured only in rare bursts. NOTE: on the H200 (session 8) level 7
-        read plain decoding at 6 tokens/ms (steps that ended requests counted in; fixed since) against 42 at level 6
-        and drafting's 25, and drafted in every C = 64 row from then on (0.45x of no-spec at T = 1)."""
-        rate = self.levels[level].rate[regime]
-        for other, lv in self.levels.items():
-            if other < level and regime in lv.rate:
-                rate = max(rate, lv.rate[regime])
-        return rate
+    def _plain_floor(self, level: int) -> float:
+        """The level's plain rate, but never below the plain rate one level down: more requests a plain step do not
+        make fewer tokens a millisecond, and a regime a level no longer runs is re-measured only in rare bursts.
+        Only the plain rate, and only from the next level down: drafting's rate moves with acceptance (temperature,
+        prompts), so a lower load's could keep a level drafting at a loss that no measurement there would undo; a
+        floored plain rate errs at worst to plain steps, no-spec's speed (a review's finding). NOTE: on the H200
+        (session 8) level 7 read plain decoding at 6 tokens/ms (steps that ended requests counted in; fixed since)
+        against 42 at level 6 and drafting's 25, and drafted in every C = 64 row from then on (0.45x of no-spec)."""
+        rate = self.levels[level].rate[False]
+        below = self.levels.get(level - 1)
+        return max(rate, below.rate[False]) if below is not None and False in below.rate else rate
 
     def _neighbour(self, level: int) -> tuple[bool, _Level] | None:
         """For a level not measured yet: plain if a lower load measured plain clearly faster, drafting if a higher load
@@ -173,12 +173,16 @@ class RegimeChooser:
         return 0 if found is None else max(self._spacing(found[1]), found[1].period)
 
     @staticmethod
-    def _spacing(lv: _Level) -> int:
+    def _spacing(lv: _Level, rate: dict[bool, float] | None = None) -> int:
         """Steps of the faster regime between bursts so that a burst costs at most EXPLORE_SHARE of the time between
         them: a burst lasts BURST * slow_ms, and each of its milliseconds makes slow / fast of the faster regime's
-        tokens. From the measured rates once both are known; before that from the model's predictions where its plain
-        verdict has them (Verdict); else 0."""
-        rate, ms = lv.rate, lv.ms
+        tokens. From the measured rates once both are known (rate: the ones the choice used, a floored plain rate with
+        its step time scaled to match); before that from the model's predictions where its plain verdict has them
+        (Verdict); else 0."""
+        ms = lv.ms
+        if rate is not None and len(rate) == 2 and len(ms) == 2 and rate[False] != lv.rate[False] > 0:
+            ms = {True: ms[True], False: ms[False] * lv.rate[False] / rate[False]}  # the same tokens a step, faster
+        rate = lv.rate if rate is None else rate
         if len(rate) < 2 or len(ms) < 2:
             p = lv.predicted
             if p is None or p.rate is None or p.ms is None:

@@ -571,7 +571,6 @@ def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, 
     counted in, the steps where a sweep row's requests ended read as plain steps of several ms, level 7's plain rate
     fell to 6 tokens/ms against a real ~50, and C = 64 rows drafted at 0.4-0.7x of no-spec. Here ending a request
     takes 0.3 s, nearly all of such a step: it is no measurement, and no step may read it."""
-    import statistics
     import time
 
     llm = _plain_adaptive_ngram(untied_model, async_scheduling=async_scheduling)
@@ -595,16 +594,17 @@ def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, 
 
     def spy(*args: Any, ending_ms: float = 0.0, **kwargs: Any) -> None:
         timed = planner._last_continued is not None if async_scheduling else planner._step_start is not None
-        ending_steps[0] += timed and ending_ms >= 300
+        before = (len(observed), len(priced))
         finished(*args, ending_ms=ending_ms, **kwargs)
+        planner.timing.harvest(planner.cost, planner.regime)  # type: ignore[arg-type]
+        if timed and ending_ms >= 300:
+            ending_steps[0] += 1
+            assert (len(observed), len(priced)) == before, "a step of ending work reached the regime or the cost model"
 
     setattr(planner, name, spy)
     prompts = _prompts(5, [6, 9, 4])
     # they end at different steps, each while the others decode on (in a pipelined run when async)
     params = [SamplingParams(temperature=0.0, max_tokens=20 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
     llm.generate(prompts, params)
-    planner.timing.harvest(planner.cost, planner.regime)  # type: ignore[arg-type]
     assert ending_steps[0] >= 2 and len(observed) >= 20
     assert max(observed) < 150 and max(priced) < 150, (max(observed), max(priced))
-    typical = statistics.median(observed)
-    assert max(observed) < 5 * typical + 1.0, (sorted(observed)[-3:], typical)

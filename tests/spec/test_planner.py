@@ -577,9 +577,10 @@ def test_the_engine_prepares_each_drafting_steps_budget_and_plans_the_same(
 
 def test_ending_work_is_taken_out_and_the_wait_it_ate_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """Async scheduling, steps of 1 ms with 0.6 ms of waiting for the device in each. A step that spends 3 ms ending
-    requests is measured 4 ms host to host; the device ran the next step meanwhile, so that one's interval is 0.4 ms
-    (its wait gone). Both must read 1 ms: the ending work out of the first, the wait it ate given back to the second.
-    A step that was nearly all ending work (4.9 of 5 ms) is no measurement at all."""
+    requests is measured 4 ms host to host; the device ran the next step meanwhile, so that one waited 0 ms and took
+    0.4. Both must read 1 ms: the ending work out of the first, the wait it ate given back to the second. A step that
+    was nearly all ending work (4.9 of 5 ms) is no measurement at all. After a step launched alone that ended requests
+    (its wait, its whole device time, says nothing of the next one's), the first continued step is not measured."""
     import dspark.spec.planner as planner_module
 
     clock = _Clock()
@@ -588,17 +589,22 @@ def test_ending_work_is_taken_out_and_the_wait_it_ate_given_back(monkeypatch: py
     seen: list[float] = []
     observe = planner.regime.observe
     planner.regime.observe = lambda n, v, d, tokens, ms: (seen.append(ms), observe(n, v, d, tokens, ms))  # type: ignore[method-assign]
-    planner.step_finished(drafted=False, num_emitted=16, chain_starts=True, wait_ms=0.6)  # a run starts
-    for interval, ending, wait in [(1.0, 0.0, 0.6), (4.0, 3.0, 0.6), (0.4, 0.0, 0.0), (1.0, 0.0, 0.6), (5.0, 4.9, 0.6)]:
+
+    def continued(interval: float, ending: float = 0.0, wait: float = 0.6) -> None:
         clock.now += interval / 1e3
         planner.continued_step_finished(16, 16, chain_goes_on=True, drafted=False, ending_ms=ending, wait_ms=wait)
+
+    planner.step_finished(drafted=False, num_emitted=16, chain_starts=True, wait_ms=0.9)  # a run starts
+    for interval, ending, wait in [(1.0, 0.0, 0.6), (4.0, 3.0, 0.6), (0.4, 0.0, 0.0), (1.0, 0.0, 0.6), (5.0, 4.9, 0.6)]:
+        continued(interval, ending, wait)
     assert seen == pytest.approx([1.0, 1.0, 1.0, 1.0])
-    # the wait the dropped step's ending ate (0.6 ms) is still given back to the step after it
-    clock.now += 0.4 / 1e3
-    planner.continued_step_finished(16, 16, chain_goes_on=True, drafted=False)
-    assert seen[-1] == pytest.approx(1.0)
-    # a run that starts with an ending step gives the first continued step its wait back too
-    planner.step_finished(drafted=False, num_emitted=16, chain_starts=True, ending_ms=2.0, wait_ms=0.6)
-    clock.now += 0.4 / 1e3
-    planner.continued_step_finished(16, 16, chain_goes_on=False, drafted=False)
-    assert seen[-1] == pytest.approx(1.0)
+    continued(0.4, wait=0.0)  # the wait the dropped step's ending ate is still given back to the step after it
+    assert seen[-1] == pytest.approx(1.0) and len(seen) == 5
+    continued(0.9, ending=0.5, wait=0.6)  # the next step's wait does not shrink: nothing to give back to it
+    continued(1.0)
+    assert seen[-2:] == pytest.approx([0.4, 1.0])
+    planner.step_finished(drafted=False, num_emitted=16, chain_starts=True, ending_ms=2.0, wait_ms=0.9)
+    continued(0.4, wait=0.0)
+    assert len(seen) == 7  # not measured
+    continued(1.0)
+    assert len(seen) == 8 and seen[-1] == pytest.approx(1.0)

@@ -258,11 +258,11 @@ def test_a_drafting_verdict_with_predictions_still_explores_plain_early() -> Non
     assert _first_burst(RegimeChooser(), verdict, 10, regime=False) == FIRST_PERIOD
 
 
-def test_a_rate_pulled_under_a_lower_loads_does_not_decide() -> None:
-    """More requests a step do not make fewer tokens a millisecond, so a regime's rate at a level is never taken below
-    its rate at a lower load. Session 8 on the H200: level 7 (64-127 requests) read plain decoding at 6 tokens/ms, from
+def test_a_plain_rate_pulled_under_the_level_belows_does_not_decide() -> None:
+    """More requests a plain step do not make fewer tokens a millisecond, so a level's plain rate is never taken below
+    the next level down's. Session 8 on the H200: level 7 (64-127 requests) read plain decoding at 6 tokens/ms, from
     steps that ended requests, against 42 at level 6 and drafting's 25 at level 7, and then drafted in every C = 64
-    row. With the lower load's plain rate as a floor, level 7 stays plain."""
+    row. With level 6's plain rate as a floor, level 7 stays plain."""
     chooser = RegimeChooser()
     for _ in range(20):  # level 6 (32-63 requests): plain measured at 42 tokens/ms, drafting at 12
         chooser.observe(48, False, False, 48, 48 / 42)
@@ -274,7 +274,20 @@ def test_a_rate_pulled_under_a_lower_loads_does_not_decide() -> None:
     assert level.rate[False] == pytest.approx(6) and level.rate[True] == pytest.approx(25)
     choices = [chooser.choose(64, True) for _ in range(40)]
     assert sum(choices) <= 3  # plain, bar an exploration burst of drafting
-    # without the lower level, the same rates choose drafting
+    # without the level below, the same rates choose drafting
     alone = RegimeChooser()
     alone.levels[alone.level(64)] = level
     assert sum(alone.choose(64, True) for _ in range(40)) >= 37
+
+
+def test_a_lower_loads_drafting_rate_does_not_make_a_level_draft() -> None:
+    """Drafting's rate moves with acceptance (temperature, prompts): a lower load's, measured on easier text, must not
+    keep a level drafting where its own measurements say plain steps are faster (a review's finding)."""
+    chooser = RegimeChooser()
+    for _ in range(20):  # level 6: drafting measured at 60 tokens/ms on repetitive text, plain at 40
+        chooser.observe(48, True, True, 48, 48 / 60)
+        chooser.observe(48, False, False, 48, 48 / 40)
+    for _ in range(20):  # level 7, later rows: drafting at 25, plain at 45
+        chooser.observe(64, True, True, 64, 64 / 25)
+        chooser.observe(64, False, False, 64, 64 / 45)
+    assert sum(chooser.choose(64, True) for _ in range(40)) <= 3
