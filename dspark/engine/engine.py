@@ -626,10 +626,11 @@ class LLMEngine:
         if status is None:
             return None if req.sampling_params.output_kind == "final_only" else self._output(tracked, finished=False)
         # Ending a request (its deferred text, freeing it, its final output) costs host time once per request whatever
-        # the regime: the planner takes it out of the step's measured time. NOTE: counted in, a step where 64 requests
-        # ended at once (~0.1 ms each for 256 tokens of final_only text) read as a plain step of several ms; on the H200
-        # such steps at the tails of C = 256 rows put level 7's plain rate at 6 tokens/ms against a real ~50, and the
-        # C = 64 rows then drafted at 0.4-0.7x of no-spec (session 8).
+        # the regime: the planner takes it out of the step's measured time. NOTE: counted in, the steps where a sweep
+        # row's requests ended (64 at once at the end of a C = 64 row, ~70 at a time in a C = 256 row's tail) put level
+        # 7's plain rate at 6 tokens/ms against a real ~50 on the H200, which implies ~0.14 ms a request there (on the
+        # 2-vCPU machine the final_only text of 256 tokens alone took 0.035 ms), and C = 64 rows then drafted at
+        # 0.45-0.68x of no-spec (session 8).
         start = time.perf_counter()
         try:
             if tracked.deferred:
