@@ -6,9 +6,9 @@ host work that differs between verifying and plain sampling, real contexts, othe
 drafting pays but plain steps are in fact faster (or the reverse), the engine should follow the measurement. Each load
 level (requests emitting a token, in powers of two) keeps an exponential average of tokens/ms for steady steps of each
 regime: "spec" steps verified drafts and drafted again, "plain" steps did neither (a step that switches regime is
-neither). A level's rate for a regime is never taken below that regime's rate at a lower load: more requests a step do
-not make fewer tokens a millisecond, and what pollutes a measurement (a stalled host) only ever pulls it down. Once
-both are known the faster wins; on a near tie (within 3%) the engine stays in the regime it is in,
+neither). A level's plain rate is never taken below the plain rate one level down (more requests a plain step do not
+make fewer tokens a millisecond): a guard against a plain rate pulled down by steps a stalled host slowed, at a level
+that no longer runs plain steps to correct it. Once both are known the faster wins; on a near tie (within 3%) the engine stays in the regime it is in,
 without asking the model: the model cannot see a drafting step's host work and leans to drafting, and on the H200,
 levels a sweep row's ramp and tail pass through measured near ties on a few steps (level 8 of a C = 256 row: 20.7
 against 21.5 tokens/ms), where the old rule left the choice to the model (that it then drafted there is inferred from
