@@ -1,5 +1,5 @@
-"""Whether to speculate at all, checked against measurement: the drafting and the plain regime's tokens per
-millisecond, learned online per load level.
+"""Whether to speculate at all, checked against measurement: the drafting and the plain regime's tokens per millisecond,
+learned online per load level.
 
 The cost model predicts a step from profiled dummy steps; a real step also pays what the profile cannot see (per-request
 host work that differs between verifying and plain sampling, real contexts, other processes). Where the model says
@@ -8,21 +8,21 @@ level (requests emitting a token, in powers of two) keeps an exponential average
 regime: "spec" steps verified drafts and drafted again, "plain" steps did neither (a step that switches regime is
 neither). A level's plain rate is never taken below the plain rate one level down (more requests a plain step do not
 make fewer tokens a millisecond): a guard against a plain rate pulled down by steps a stalled host slowed, at a level
-that no longer runs plain steps to correct it. Once both are known the faster wins; on a near tie (within 3%) the engine stays in the regime it is in,
-without asking the model: the model cannot see a drafting step's host work and leans to drafting, and on the H200,
-levels a sweep row's ramp and tail pass through measured near ties on a few steps (level 8 of a C = 256 row: 20.7
-against 21.5 tokens/ms), where the old rule left the choice to the model (that it then drafted there is inferred from
-the rows' rates and drafting counts; per-step choices were not recorded). Until both are known, and between
-measurements, the model decides, except that a level not measured yet starts from its nearest measured neighbour's
-verdict where that transfers (plain measured faster at a lower load, or drafting at a higher one), and explores the
-other regime no sooner than that neighbour would (below). Every so often the other regime runs for a short burst to keep
-its figure fresh. The first burst comes after FIRST_PERIOD steps, so that a new level learns both rates in a handful of
-steps: on the H200 the model's first choice at a new load level was to draft (it cannot see a drafting step's host work)
-and, with a first period of 8, a 256-step sweep row spent 7-10 steps drafting, each 2.5-4x a plain step. Then the bursts
-thin out (each gap doubles the last) and, once both rates are known, they are also spaced by what the slower regime
-costs: a burst may cost at most EXPLORE_SHARE of the time between bursts. The cost is counted in time, not steps: a
-slower regime's step can last several of the faster one's, and each of its milliseconds loses (1 - slow rate / fast
-rate) of what the faster regime would have made.
+that no longer runs plain steps to correct it. Once both are known the faster wins; on a near tie (within 3%) the engine
+stays in the regime it is in, without asking the model: the model cannot see a drafting step's host work and leans to
+drafting, and on the H200, levels a sweep row's ramp and tail pass through measured near ties on a few steps (level 8 of
+a C = 256 row: 20.7 against 21.5 tokens/ms), where the old rule left the choice to the model (that it then drafted there
+is inferred from the rows' rates and drafting counts; per-step choices were not recorded). Until both are known, and
+between measurements, the model decides, except that a level not measured yet starts from its nearest measured
+neighbour's verdict where that transfers (plain measured faster at a lower load, or drafting at a higher one), and
+explores the other regime no sooner than that neighbour would (below). Every so often the other regime runs for a short
+burst to keep its figure fresh. The first burst comes after FIRST_PERIOD steps, so that a new level learns both rates in
+a handful of steps: on the H200 the model's first choice at a new load level was to draft (it cannot see a drafting
+step's host work) and, with a first period of 8, a 256-step sweep row spent 7-10 steps drafting, each 2.5-4x a plain
+step. Then the bursts thin out (each gap doubles the last) and, once both rates are known, they are also spaced by what
+the slower regime costs: a burst may cost at most EXPLORE_SHARE of the time between bursts. The cost is counted in time,
+not steps: a slower regime's step can last several of the faster one's, and each of its milliseconds loses (1 - slow
+rate / fast rate) of what the faster regime would have made.
 
 A level that follows the model because it has measured nothing yet explores drafting after FIRST_PERIOD steps,
 except where the model's plain verdict comes with predicted costs (a Verdict with rates): the first burst is then
