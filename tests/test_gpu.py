@@ -172,6 +172,20 @@ def test_cuda_verify_plain_gives_verifys_tokens() -> None:
                 check([3, n, 2], [0.0, 0.8, 0.0], method)
 
 
+def test_cuda_uniforms_on_the_device_have_the_hosts_bits() -> None:
+    """uniforms_t() on CUDA tensors is uniforms() bit for bit (int64 products wrap there as on the CPU)."""
+    import random
+
+    from dspark.worker.sampler import uniforms, uniforms_t
+
+    rng = random.Random(2)
+    seeds = [0, 1, 2**63 - 1, -1, -(2**63)] + [rng.getrandbits(64) - 2**63 for _ in range(4000)]
+    counters = [0, 2**40 + 7, 1, 2**33, 5] + [rng.randrange(0, 1 << 40) for _ in range(4000)]
+    for stream in (0, 1, 7):
+        got = uniforms_t(torch.tensor(seeds, device="cuda"), torch.tensor(counters, device="cuda"), stream)
+        assert got.cpu().numpy().tobytes() == uniforms(seeds, counters, stream).tobytes(), stream
+
+
 def test_cuda_graphs_give_the_eager_tokens(tmp_path: Path) -> None:
     """fp32 greedy: the captured decode, verification and drafting passes emit what the eager ones emit, and they
     were used."""

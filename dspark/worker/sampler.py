@@ -256,6 +256,35 @@ def uniforms(seeds: Sequence[int] | np.ndarray, counters: Sequence[int] | np.nda
     return (_mix_seeds(seed, counter) >> _U64(10)).astype(np.float64) / float(1 << 53)
 
 
+def _signed(value: int) -> int:
+    """A uint64 constant as the int64 with its bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint64 >> bits on int64 tensors (torch's >> on int64 shifts in the sign bit)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix_seeds_t(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """_mix_seeds on int64 tensors: their products and sums wrap modulo 2**64 as uint64's do (two's complement)."""
+    z = seed * _signed(0x9E3779B97F4A7C15) + counter * _signed(0xBF58476D1CE4E5B9) + _signed(0x94D049BB133111EB)
+    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
+    return (z ^ _shr(z, 31)) & ((1 << 63) - 1)
+
+
+def uniforms_t(seeds: torch.Tensor, counters: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """uniforms() computed where the tensors are (int64 seeds and counters of any shape -> float64, the same bits), so
+    that a step whose counters exist only on the device (a request's output length after a verification the host has
+    not read yet) can draw without the host. NOTE: not used by the engine yet: it is the first piece of a pipelined
+    speculative step (issue 6, session 8's note)."""
+    seed = seeds.to(torch.int64)
+    if stream:
+        seed = _mix_seeds_t(seed ^ _signed(_STREAM_SALT), torch.full_like(seed, stream))
+    return (_mix_seeds_t(seed, counters.to(torch.int64)) >> 10).to(torch.float64) / float(1 << 53)
+
+
 def _penalised(r: SamplingRow) -> bool:
     return bool(r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0)
 

@@ -306,6 +306,28 @@ def test_vectorised_uniforms_have_the_scalar_bits() -> None:
     assert block.tolist() == [[uniform(r.seed, r.first_counter + j, DRAFT_STREAM) for j in range(7)] for r in rows]
 
 
+def test_uniforms_on_tensors_have_the_same_bits() -> None:
+    """uniforms_t() on int64 tensors is uniforms() bit for bit, on every stream and shape: extreme and negative seeds,
+    counters past 2**32 (on CUDA in tests/test_gpu.py)."""
+    import random
+
+    from dspark.spec.dspark.markov import DRAFT_STREAM
+    from dspark.worker.sampler import uniforms_t
+
+    rng = random.Random(1)
+    seeds = [0, 1, 2**63 - 1, 2**62 + 12345, -1, -(2**63)] + [rng.getrandbits(64) - 2**63 for _ in range(500)]
+    counters = [0, 2**40 + 7, 1, 255, 3, 2**33] + [rng.randrange(0, 1 << 40) for _ in range(500)]
+    for stream in (0, 1, 2, DRAFT_STREAM):
+        want = uniforms(seeds, counters, stream)
+        got = uniforms_t(torch.tensor(seeds), torch.tensor(counters), stream)
+        assert got.dtype == torch.float64 and got.numpy().tobytes() == want.tobytes(), stream
+    grid = uniforms_t(torch.tensor(seeds[:8])[:, None], torch.tensor(counters[:8])[:, None] + torch.arange(7), 3)
+    assert grid.shape == (8, 7)
+    assert grid.tolist() == [
+        [uniform(s, c + j, 3) for j in range(7)] for s, c in zip(seeds[:8], counters[:8], strict=True)
+    ]
+
+
 def test_negative_seeds_sample_and_verify() -> None:
     """A negative seed (allowed by SamplingParams) goes through the batched draws: sampling, a rejected draft's
     residual draw in verification, and the drafter's uniforms."""
