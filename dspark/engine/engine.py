@@ -629,8 +629,7 @@ class LLMEngine:
         # the regime: the planner takes it out of the step's measured time. NOTE: counted in, the steps where a sweep
         # row's requests ended (64 at once at the end of a C = 64 row, ~70 at a time in a C = 256 row's tail) put
         # level 7's plain rate at 6 tokens/ms against a real ~50 on the H200, which implies at least ~0.14 ms a request
-        # there (on the 2-vCPU machine the final_only text of 256 tokens alone took 0.035 ms), and C = 64 rows then
-        # drafted at 0.45-0.68x of no-spec (session 8).
+        # there, and C = 64 rows then drafted at 0.45-0.68x of no-spec (session 8).
         start = time.perf_counter()
         try:
             if tracked.deferred:

@@ -588,30 +588,30 @@ class VerificationPlanner:
         the next D - ending, a bias to high plain rates)."""
         now = time.perf_counter()
         before, self._before = self._before, (ending_ms, wait_ms)
-        if self._last_continued is not None and self.adaptive and self.cost is not None:
-            self.timing.harvest(self.cost, self.regime)  # older event-timed steps first: the regime sees steps in order
-            ms = None
-            if before is not None:
-                shortened = min(before[0], max(0.0, before[1] - wait_ms))
-                ms = without_ending((now - self._last_continued) * 1e3, ending_ms, shortened)
-            if ms is None:  # nearly all ending work, or what the previous step's took is unknown
-                self._last_continued = now if chain_goes_on else None
-                return
-            self.regime.observe(num_requests, False, drafted, num_emitted, ms)
-            # NOTE: and the cost model: what a plain step costs in a pipelined run (its host work overlaps the device's,
-            # unlike the profiled step run alone) is what drafting must beat; one that drafted is the first step of a
-            # drafting run, priced as the profile's plain pass plus drafting. That first step is continued, so it was
-            # never timed, and the model learned drafting's cost from the next step's timing, read only after the
-            # choice that followed that step. On the H200 at T = 1, C = 64 (session 6) a row drafted in 6 steps
-            # (2 entering, 3 verifying and drafting, 1 leaving: 5.3, 8.0 and 4.8 ms medians against 1.4 ms plain
-            # steps), 0.93x of no-spec; with the first step measured, a run that should not draft can end after it.
-            # Only below OUTLIER_RATIO: a first step at 5x its refined prediction or more waits for a second one.
-            base = self.cost.base
-            if drafted:
-                self.cost.observe(num_requests, base.step_ms(num_requests, num_requests), ms, True)
-            else:
-                self.cost.observe(num_requests, base.plain_step_ms(num_requests, num_requests), ms, False)
-        self._last_continued = now if chain_goes_on else None
+        start, self._last_continued = self._last_continued, now if chain_goes_on else None
+        if start is None or not self.adaptive or self.cost is None:
+            return
+        self.timing.harvest(self.cost, self.regime)  # older event-timed steps first: the regime sees steps in order
+        if before is None:  # what the previous step's ending work took from this one is unknown
+            return
+        shortened = min(before[0], max(0.0, before[1] - wait_ms))
+        ms = without_ending((now - start) * 1e3, ending_ms, shortened)
+        if ms is None:  # nearly all ending work
+            return
+        self.regime.observe(num_requests, False, drafted, num_emitted, ms)
+        # NOTE: and the cost model: what a plain step costs in a pipelined run (its host work overlaps the device's,
+        # unlike the profiled step run alone) is what drafting must beat; one that drafted is the first step of a
+        # drafting run, priced as the profile's plain pass plus drafting. That first step is continued, so it was
+        # never timed, and the model learned drafting's cost from the next step's timing, read only after the
+        # choice that followed that step. On the H200 at T = 1, C = 64 (session 6) a row drafted in 6 steps
+        # (2 entering, 3 verifying and drafting, 1 leaving: 5.3, 8.0 and 4.8 ms medians against 1.4 ms plain
+        # steps), 0.93x of no-spec; with the first step measured, a run that should not draft can end after it.
+        # Only below OUTLIER_RATIO: a first step at 5x its refined prediction or more waits for a second one.
+        base = self.cost.base
+        if drafted:
+            self.cost.observe(num_requests, base.step_ms(num_requests, num_requests), ms, True)
+        else:
+            self.cost.observe(num_requests, base.plain_step_ms(num_requests, num_requests), ms, False)
 
     # ---- 3. after verifying -------------------------------------------------------------------------------------
 

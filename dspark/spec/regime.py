@@ -180,7 +180,8 @@ class RegimeChooser:
         its step time scaled to match); before that from the model's predictions where its plain verdict has them
         (Verdict); else 0."""
         ms = lv.ms
-        if rate is not None and len(rate) == 2 and len(ms) == 2 and rate[False] != lv.rate[False] > 0:
+        floored = rate is not None and len(rate) == 2 and len(ms) == 2 and lv.rate[False] > 0
+        if floored and rate[False] != lv.rate[False]:
             ms = {True: ms[True], False: ms[False] * lv.rate[False] / rate[False]}  # the same tokens a step, faster
         rate = lv.rate if rate is None else rate
         if len(rate) < 2 or len(ms) < 2:
