@@ -82,6 +82,8 @@ RowKey = tuple[str, int, float]  # (arm, concurrency, temperature)
 
 
 SYNC = ":sync"  # an arm's suffix: the same arm with async scheduling off (its gain, measured in the same run)
+# adaptive's engine with its regime held plain: what keeping the drafter's context costs a plain step, beside no-spec
+HELD_PLAIN = "adaptive:plain"
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Arm:
     k: int | None  # fixed drafts per request and step; None: no-spec, or adaptive (up to the config's k, else 7)
     adaptive: bool = False
     sync: bool = False  # async scheduling off (name ends in SYNC)
+    held_plain: bool = False  # adaptive's engine that never drafts (HELD_PLAIN)
 
     @property
     def speculates(self) -> bool:
@@ -108,16 +111,16 @@ class Arm:
 def parse_arm(name: str) -> Arm:
     base = name.removesuffix(SYNC)
     sync = base != name
-    if base in ("no-spec", "adaptive"):
-        return Arm(name, None, adaptive=base == "adaptive", sync=sync)
+    if base in ("no-spec", "adaptive", HELD_PLAIN):
+        return Arm(name, None, adaptive=base != "no-spec", sync=sync, held_plain=base == HELD_PLAIN)
     k = base.removeprefix("fixed-")
     if k != base and k.isdigit() and 1 <= int(k) <= MAX_SPECULATIVE_TOKENS:
         return Arm(name, int(k), sync=sync)
     raise ConfigError(
         "arm",
         name,
-        f"one of no-spec, fixed-K (K in 1..{MAX_SPECULATIVE_TOKENS}), adaptive, each optionally with {SYNC} "
-        "(async scheduling off) (transformers: --hf)",
+        f"one of no-spec, fixed-K (K in 1..{MAX_SPECULATIVE_TOKENS}), adaptive, {HELD_PLAIN}, each optionally with "
+        f"{SYNC} (async scheduling off) (transformers: --hf)",
     )
 
 
@@ -378,6 +381,9 @@ def run_sweep(
         arm_config = dataclasses.replace(arm_config, gpu_memory_utilization=base.gpu_memory_utilization * share)
         llm = LLM(**dataclasses.asdict(arm_config))
         engine = llm.engine
+        if arm.held_plain:
+            assert engine.planner is not None
+            engine.planner.regime.held = False
         if not set_ids:  # tokenized once, for every arm: the prompts the largest row uses
             set_ids = tokenize(llm, prompts.prompts[: max(sizes.values())], chat)
             _check_fits(set_ids, output_len, engine.max_model_len)
@@ -758,7 +764,8 @@ def add_parser(
         "--arm",
         action="append",
         metavar="ARM",
-        help=f"no-spec, fixed-K or adaptive, each optionally with {SYNC} (async scheduling off, to measure its gain "
+        help=f"no-spec, fixed-K, adaptive or {HELD_PLAIN} (adaptive's engine held to plain steps: the price of "
+        f"keeping the drafter's context), each optionally with {SYNC} (async scheduling off, to measure its gain "
         f"in the same run) (repeatable; default: {' '.join(ARMS)}); the speculative arms use "
         f"--speculative-config's method (default: ngram); adaptive verifies up to its num_speculative_tokens, "
         f"else {ADAPTIVE_K}",

@@ -76,6 +76,9 @@ class RegimeChooser:
         self.num_explorations = 0
         self._current: bool | None = None  # the regime last chosen outside a burst
         self.num_chosen: dict[int, dict[str, int]] = {}  # level -> {"spec": steps that drafted, "plain": ...}
+        # NOTE: a diagnostic, not a policy: when set, every choice is this regime and nothing is explored (bench sweep's
+        # adaptive:plain arm prices an adaptive engine's plain steps, the drafter's context kept, beside no-spec's)
+        self.held: bool | None = None
 
     @staticmethod
     def level(num_requests: int) -> int:
@@ -86,6 +89,8 @@ class RegimeChooser:
         leave the choice to it (none measured yet and no neighbour's verdict). On the H200 host its tensor ops took
         20-30 ms a call at R = 512 under torch.profiler (benchmarks/gpu/plain_step_trace.py); asked every 8 plain
         steps, that was the gap between adaptive's plain steps (7.4 ms) and no-spec's (5.6 ms)."""
+        if self.held is not None:
+            return self.held
         level = self.level(num_requests)
         lv = self.levels.setdefault(level, _Level())
 

@@ -351,6 +351,39 @@ def test_sync_arms_turn_async_scheduling_off_and_keep_their_base_arm() -> None:
             parse_arm(bad)
 
 
+def test_the_held_plain_arm_is_adaptives_engine_that_never_drafts(
+    tiny_model_dirs: dict[str, Path], data_dir: Path
+) -> None:
+    """adaptive:plain builds adaptive's engine (the drafter and its context kept) with the regime held plain: no step
+    drafts, its outputs are no-spec's, and it is not a baseline of the paired ratio."""
+    base = EngineConfig(model="m")
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    arm = parse_arm("adaptive:plain")
+    cfg = arm.config(base, spec).spec
+    assert arm.held_plain and cfg is not None and cfg.enable_adaptive_verification
+    assert parse_arm("adaptive:plain:sync").sync and not parse_arm("adaptive").held_plain
+    config = EngineConfig(
+        model=str(tiny_model_dirs["llama"]), dtype="float32", num_kv_blocks=128, speculative_config=spec
+    )
+    result = run_sweep(
+        config,
+        arms=["no-spec", "adaptive:plain", "adaptive"],
+        concurrencies=[4],
+        temperatures=[0.0],
+        output_len=OUTPUT_LEN,
+        num_prompts=NUM_PROMPTS,
+        data_dir=str(data_dir),
+        interleave=True,
+    ).result
+    rows = {r["arm"]: r for r in result["rows"]}
+    held = rows["adaptive:plain"]
+    assert held["spec_decode_num_drafts"] == 0 and held["identical_to_no_spec"] == f"{NUM_PROMPTS}/{NUM_PROMPTS}"
+    assert result["config"]["arms"]["adaptive:plain"]["enable_adaptive_verification"] is True
+    arms = {a: {"rounds_output_throughput": [1.0, 1.0]} for a in ("no-spec", "adaptive")}
+    arms["adaptive:plain"] = {"rounds_output_throughput": [9.0, 9.0]}
+    assert sweep_module.paired_adaptive_ratio(arms) == pytest.approx(1.0)
+
+
 def test_interleaved_arms_take_turns_row_by_row(
     tiny_model_dirs: dict[str, Path], data_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

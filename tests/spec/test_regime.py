@@ -291,3 +291,14 @@ def test_a_lower_loads_drafting_rate_does_not_make_a_level_draft() -> None:
         chooser.observe(64, True, True, 64, 64 / 25)
         chooser.observe(64, False, False, 64, 64 / 45)
     assert sum(chooser.choose(64, True) for _ in range(40)) <= 3
+
+
+def test_a_held_regime_is_every_choice_whatever_the_rates_and_the_model_say() -> None:
+    """bench sweep's adaptive:plain arm holds an adaptive engine's regime plain to price its plain steps; drafting
+    twice as fast as plain, with a model that says draft, must still give plain steps only, and no exploration."""
+    chooser = RegimeChooser()
+    chooser.held = False
+    assert not any(_run(chooser, 200, model_says=True, spec_rate=2.0, plain_rate=1.0))
+    assert chooser.num_explorations == 0
+    chooser.held = True
+    assert all(_run(chooser, 50, model_says=False, spec_rate=0.5, plain_rate=1.0))
