@@ -41,7 +41,6 @@ def capture_sizes(max_tokens: int) -> list[int]:
     return [s for s in sizes if s < max_tokens] + [max_tokens]
 
 
-@dataclass
 class TableRows:
     """The block tables of a replay's requests, staged into a host array row by row, rewriting of each row only what
     changed since the last replay: a row whose request (its block list, the very object) is the one staged there last
@@ -72,6 +71,7 @@ class TableRows:
             staged[i] = w
 
 
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     num_tokens: int
