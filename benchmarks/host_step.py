@@ -5,6 +5,9 @@
 Every request emits one token per step from a stub runner, so what is timed is the engine's own Python: the
 scheduler, the runner's input lists and sampling rows, and output processing (detokenising, stop checks, outputs).
 --thaw also times each output kind with the GC heap unfrozen (as before the engine froze it after start-up).
+--real-runner keeps the model runner's own launch and collect (inputs, sampling-path choice, the argmax, the tokens'
+way back) and stubs only the target's forward and logits (8 vocabulary columns): greedy rows only (the CPU's sampled
+draws go row by row, which a CUDA step does not). The graph runner's staging (CUDA only) is not in it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def host_ms(
     async_scheduling: bool = False,
     temperature: float = 1.0,
     model_verdict: bool = False,
+    real_runner: bool = False,
 ) -> float:
     # spec: an adaptive DSpark engine whose planner always answers "drafting does not pay", i.e. the plain steps of
     # adaptive verification at high load, which should cost what a no-spec step costs.
@@ -82,7 +86,20 @@ def host_ms(
         tokens = torch.full((len(sampling),), 100, dtype=torch.int64)
         return mr.Launched(sched, tokens=tokens, download=mr.Download(tokens), request_ids=sampling)
 
-    engine.runner.launch = stub  # type: ignore[method-assign]
+    if real_runner:
+        assert temperature == 0.0, "--real-runner times greedy rows only"
+        runner = engine.runner
+        hidden = torch.zeros(8192, 4)
+        slots = torch.zeros(8192, dtype=torch.int64)
+
+        def forward(input_ids: list[int], *args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+            n = len(input_ids)
+            return hidden[:n], None, slots[:n], slots[:n]
+
+        runner._forward_eager = forward  # type: ignore[method-assign, assignment]
+        runner.model.compute_logits = lambda h, invariant=None: torch.zeros(h.shape[0], 8)  # type: ignore[method-assign]
+    else:
+        engine.runner.launch = stub  # type: ignore[method-assign]
     params = SamplingParams(temperature=temperature, max_tokens=steps + 200, ignore_eos=True, output_kind=output_kind)
     for i in range(concurrency):
         engine.add_request([1, 2, 3, 4, 5, 6, 7, 8 + i % 50] * 8, params)
@@ -112,6 +129,11 @@ def main() -> None:
         action="store_true",
         help="--spec: the regime asks the cost model (computed, then said plain) instead of being told plain",
     )
+    parser.add_argument(
+        "--real-runner",
+        action="store_true",
+        help="the model runner's own launch and collect, the target's forward and logits stubbed (--temperature 0)",
+    )
     args = parser.parse_args()
     for kind in args.output_kind:
         for thaw in (True, False) if args.thaw else (False,):
@@ -125,6 +147,7 @@ def main() -> None:
                     args.async_scheduling,
                     args.temperature,
                     args.model_verdict,
+                    args.real_runner,
                 )
                 heap = "unfrozen" if thaw else "frozen"
                 arm = "adaptive (plain steps)" if spec else "no-spec"
