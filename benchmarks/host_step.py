@@ -8,6 +8,10 @@ scheduler, the runner's input lists and sampling rows, and output processing (de
 --real-runner keeps the model runner's own launch and collect (inputs, sampling-path choice, the argmax, the tokens'
 way back) and stubs only the target's forward and logits (8 vocabulary columns): greedy rows only (the CPU's sampled
 draws go row by row, which a CUDA step does not). The graph runner's staging (CUDA only) is not in it.
+
+NOTE: against another commit, run both from their own checkouts with PYTHONPATH set to each (`PYTHONPATH=$PWD python
+benchmarks/host_step.py ...` in a `git worktree`): `python benchmarks/host_step.py` puts benchmarks/, not the checkout,
+first on sys.path, and the editable install then imports the main checkout's dspark in both.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ def host_ms(
         device="cpu",
         speculative_config=config,
         async_scheduling=async_scheduling,
+        # NOTE: every request's whole run fits (64 prompt tokens, 100 + steps generated, a drafter's lookahead): sized
+        # from memory, the cache held ~520 of 1024 requests, and a queue that a free seat could admit stops the overlap
+        # of async scheduling (engine._continuation), so most steps were launched alone.
+        num_kv_blocks=concurrency * ((64 + 100 + steps + 16) // 16 + 2),
     )
     engine = llm.engine
     if engine.planner is not None and not model_verdict:

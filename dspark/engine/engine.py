@@ -418,9 +418,13 @@ class LLMEngine:
                 self.planner.plan(sched)  # adaptive verification: cut each request's drafts to those worth verifying
             launched = self.runner.launch(sched)
         sched = launched.sched
-        num_held = {s.request.request_id: len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids}
+        num_held = (
+            {}
+            if sched.continued
+            else {s.request.request_id: len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids}
+        )
         # A request past its prefill feeds one token (its last) besides its drafts; any other feeds a prompt chunk.
-        has_chunk = any(
+        has_chunk = not sched.continued and any(
             not s.continues and s.request.num_computed_tokens + 1 < s.request.num_tokens for s in sched.scheduled
         )
         # Async scheduling: the next step is launched now, before this one's tokens reach the host, so that the device
@@ -536,9 +540,14 @@ class LLMEngine:
         if not self.async_scheduling or launched.tokens is None or admissible or sched.preempted:
             return None
         active = [s.request for s in sched.scheduled if not s.request.status.finished]
-        if len(active) != len(self.scheduler.running) or not all(
-            s.samples and s.num_new_tokens == 1 and not _reads_tokens(s.request.sampling_params)
-            for s in sched.scheduled
+        # NOTE: a continued step's requests passed these checks when it was built, and nothing in them changes (a
+        # request's sampling parameters are fixed): not asked again, request by request, every step.
+        if len(active) != len(self.scheduler.running) or (
+            not sched.continued
+            and not all(
+                s.samples and s.num_new_tokens == 1 and not _reads_tokens(s.request.sampling_params)
+                for s in sched.scheduled
+            )
         ):
             return None
         # launched's token is not appended yet: a request continues if it may emit at least one more after it
@@ -559,7 +568,7 @@ class LLMEngine:
         lookahead = self.scheduler.num_lookahead_tokens
         if not all(self.kv.allocate(r, 2, lookahead=lookahead) for r in going_on):
             return False if self.spec is not None else None  # the drafting choice was asked: plain
-        return SchedulerOutput([ScheduledRequest(r, 1, continues=True) for r in going_on])
+        return SchedulerOutput([ScheduledRequest(r, 1, continues=True) for r in going_on], continued=True)
 
     def _draft(self, requests: list[Request]) -> None:
         """Propose the drafts each request verifies next step, cut to what it could still emit."""

@@ -40,6 +40,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Async scheduling: every request continues from the step launched before this one, feeding one token (built by
+    # the engine's _continuation, whose checks of that step's requests then hold for this one's, a subset of them).
+    continued: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -51,6 +51,10 @@ class Launched:
     tokens: torch.Tensor | None = None  # [n] int64 on the device: the sampling requests' tokens, in order
     download: Download | None = None
     request_ids: list[str] = field(default_factory=list)  # the sampling requests, in the order of tokens
+    # "greedy" or "temperature": every sampling request took that fast path (plain_greedy, plain_temperature). Both
+    # hold for good once they hold (only min_tokens, behind, can change them), so a step continuing this one's
+    # requests takes the same path without asking each request again.
+    plain: str | None = None
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -190,10 +194,15 @@ class ModelRunner:
             out = RunnerOutput({})
             if sampling:
                 rows = [query_start[r + 1] - 1 for r, s in enumerate(sched.scheduled) if s.samples]
-                if all(plain_greedy(s.request, s.continues) for s in sampling):
+                known = previous.plain if previous is not None else None
+                if known == "greedy" or (known is None and all(plain_greedy(s.request, s.continues) for s in sampling)):
                     # the sampler's own fast path (Sampler.tokens), without a SamplingRow per request and step
                     launched.tokens = logits_of(rows)[: len(rows)].argmax(dim=-1)
-                elif all(plain_temperature(s.request, s.continues) for s in sampling):
+                    launched.plain = "greedy"
+                elif known == "temperature" or (
+                    known is None and all(plain_temperature(s.request, s.continues) for s in sampling)
+                ):
+                    launched.plain = "temperature"
                     launched.tokens = self.sampler.plain_temperature(
                         logits_of(rows),
                         [s.request.sampling_params.temperature for s in sampling],
@@ -252,7 +261,7 @@ class ModelRunner:
         bs = self.block_size
         reqs = [s.request for s in sched.scheduled]
         n = len(reqs)
-        assert all(s.continues and s.num_new_tokens == 1 for s in sched.scheduled), "not a continued step"
+        assert sched.continued, "not a continued step"
         pos = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, n) + 1
         blocks = np.fromiter((r.block_ids[b] for r, b in zip(reqs, (pos // bs).tolist(), strict=True)), np.int64, n)
         slots = blocks * bs + pos % bs
