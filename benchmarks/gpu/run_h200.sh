@@ -22,6 +22,11 @@
 #                 less event waits) at C = 64 and 256, T = 1 (HOSTGAP_TEMPS, HOSTGAP_CONCS, HOSTGAP_CONFIGS), the
 #                 configs alternating; then the top host functions (--cprofile) of each at the first C. Adaptive runs
 #                 with its regime free (it asks the cost model, as in the sweep; it does not draft there).
+#   PHASE=abtree : host changes against an older commit in one window (the host's speed moved 1.5-2x between windows
+#                 in session 9): step_profile.py from .ab/base (benchmarks/gpu/ab_prepare.sh REV, carried as ".ab")
+#                 and from this tree, alternating AB_ROUNDS (3) times at AB_CONCS (256 1024), AB_CONFIGS (no-spec), T =
+#                 AB_TEMP (0). Each process imports its own tree's dspark (PYTHONPATH first); the drafter's weights are
+#                 this tree's (linked).
 #   PHASE=invariant: batch_invariant mode (--batch-invariant): no-spec, fixed-7 and adaptive at C = 1, 16, 256 (T = 0,
 #                 greedy identity with no-spec per row), then no-spec without it at the same C: the mode's cost.
 #   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
@@ -168,6 +173,20 @@ elif [ "$PHASE" = hostgap ]; then
       --temperature "$(echo ${HOSTGAP_TEMPS:-1} | cut -d' ' -f1)" --cprofile 30 > "$OUT/cprofile-$cfg.log" 2>&1
   done
   grep "ms/step" "$OUT"/cprofile-*.log
+elif [ "$PHASE" = abtree ]; then
+  [ -d .ab/base/dspark ] || { echo "abtree: run benchmarks/gpu/ab_prepare.sh REV first and carry .ab" >&2; exit 2; }
+  ln -sfn "$PWD/dspark/assets" .ab/base/dspark/assets
+  for r in $(seq "${AB_ROUNDS:-3}"); do
+    for tree in "$PWD/.ab/base" "$PWD"; do
+      name=$([ "$tree" = "$PWD" ] && echo this || echo base)
+      [ "$r" = 1 ] && (cd "$tree" && PYTHONPATH="$tree:$PYTHONPATH" python -c "import dspark; print('$name:', \
+        dspark.__file__)" | tee -a "$OUT/abtree.log")
+      (cd "$tree" && PYTHONPATH="$tree:$PYTHONPATH" on 0 "${AB_S:-150}" python benchmarks/gpu/step_profile.py \
+        --device "${AB_DEVICE:-cuda}" --concurrency ${AB_CONCS:-256 1024} --config ${AB_CONFIGS:-no-spec} \
+        --steps "${AB_STEPS:-100}" --temperature "${AB_TEMP:-0}" 2>&1 | quiet | grep "ms/step" \
+        | sed "s/^/$name r$r: /" | tee -a "$OUT/abtree.log")
+    done
+  done
 elif [ "$PHASE" = invariant ]; then
   for mode in invariant default; do
     flag=$([ "$mode" = invariant ] && echo "--batch-invariant"); arms=$([ "$mode" = invariant ] \
