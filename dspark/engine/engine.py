@@ -568,6 +568,11 @@ class LLMEngine:
         lookahead = self.scheduler.num_lookahead_tokens
         if not all(self.kv.allocate(r, 2, lookahead=lookahead) for r in going_on):
             return False if self.spec is not None else None  # the drafting choice was asked: plain
+        if sched.continued and len(going_on) == len(sched.scheduled):
+            # NOTE: the same requests in the same order (going_on keeps sched's order): a continued step's entries are
+            # all alike (one token, no drafts, continues, samples) and nothing changes them (planning cuts drafts of
+            # steps launched alone only), so they serve again instead of 1024 new ones a step at C = 1024.
+            return SchedulerOutput(sched.scheduled, continued=True)
         return SchedulerOutput([ScheduledRequest(r, 1, continues=True) for r in going_on], continued=True)
 
     def _draft(self, requests: list[Request]) -> None:
