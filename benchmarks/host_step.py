@@ -6,7 +6,8 @@ Every request emits one token per step from a stub runner, so what is timed is t
 scheduler, the runner's input lists and sampling rows, and output processing (detokenising, stop checks, outputs).
 --thaw also times each output kind with the GC heap unfrozen (as before the engine froze it after start-up).
 --real-runner keeps the model runner's own launch and collect (inputs, sampling-path choice, the argmax, the tokens'
-way back) and stubs only the target's forward and logits (8 vocabulary columns): greedy rows only (the CPU's sampled
+way back) and stubs only the target's forward and logits (8 vocabulary columns) and, with --spec, the drafter's context
+write: greedy rows only (the CPU's sampled
 draws go row by row, which a CUDA step does not). The graph runner's staging (CUDA only) is not in it.
 
 NOTE: against another commit, run both from their own checkouts with PYTHONPATH set to each (`PYTHONPATH=$PWD python
@@ -102,10 +103,12 @@ def host_ms(
 
         def forward(input_ids: list[int], *args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
             n = len(input_ids)
-            return hidden[:n], None, slots[:n], slots[:n]
+            return hidden[:n], hidden[:n] if spec else None, slots[:n], slots[:n]
 
         runner._forward_eager = forward  # type: ignore[method-assign, assignment]
         runner.model.compute_logits = lambda h, invariant=None: torch.zeros(h.shape[0], 8)  # type: ignore[method-assign]
+        if runner.drafter is not None:  # --spec: the drafter's context write is device work (a matmul), stubbed too
+            runner.drafter.extend_context = lambda taps, positions, slots: None  # type: ignore[method-assign]
     else:
         engine.runner.launch = stub  # type: ignore[method-assign]
     params = SamplingParams(temperature=temperature, max_tokens=steps + 200, ignore_eos=True, output_kind=output_kind)
