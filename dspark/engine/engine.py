@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -462,7 +463,23 @@ class LLMEngine:
         # were most of what adaptive's plain step added on the host: _step's own time 0.71 against no-spec's 0.60 ms a
         # step (cProfile of benchmarks/host_step.py --spec --async-scheduling, 2-vCPU machine).
         may_draft = self.spec is not None and draft_choice is not False
-        for s in sched.scheduled:
+        if result.tokens is not None:
+            # A continued step: one plain token per request, in the step's order; the loop below, less what such a
+            # step cannot hold (drafts, prompt chunks, rows with logprobs). NOTE: its steady state at high load,
+            # request by request: at C = 1024 most of the host's work of a plain step.
+            for s, token in zip(sched.scheduled, result.tokens, strict=True):
+                req = s.request
+                if req.status.finished:  # stopped or aborted after this step was launched: its token is void
+                    continue
+                num_live += 1
+                req.num_computed_tokens += 1  # first_token_time: set when the step it continues was collected
+                out = self._process_guarded(req, (token,), None, now)
+                if out is not None:
+                    outputs.append(out)
+                if may_draft and not req.status.finished and req.sampling_params.max_speculative_tokens != 0:
+                    drafting.append(req)
+            num_emitted = num_live
+        for s in sched.scheduled if result.tokens is None else ():
             req = s.request
             if req.status.finished:  # stopped or aborted after its continued step was launched: that token is void
                 continue
@@ -481,16 +498,8 @@ class LLMEngine:
             else:
                 num_emitted += len(sampled)
                 req.first_token_time = req.first_token_time or now
-                try:
-                    out = self._process(req, sampled, now)
-                except Exception:
-                    # NOTE: a fault in one request's output (its detokenizer, a stop check) fails that request alone:
-                    # the batch's others already have their tokens and go on. What faults the whole step (the model
-                    # runner, drafting) is not caught, and propagates from step().
-                    if req.status.finished:  # it came while finishing the request: the engine's state is in doubt
-                        raise
-                    logger.exception("request %s failed while its output was processed", req.request_id)
-                    out = self._fail(req, now)
+                rows = sampled if any(row.logprob is not None for row in sampled) else None
+                out = self._process_guarded(req, [row.token_id for row in sampled], rows, now)
                 if out is not None:
                     outputs.append(out)
                 if may_draft and not req.status.finished and req.sampling_params.max_speculative_tokens != 0:
@@ -550,13 +559,15 @@ class LLMEngine:
             )
         ):
             return None
-        # launched's token is not appended yet: a request continues if it may emit at least one more after it
-        going_on = [
-            r
-            for r in active
-            if r.num_tokens + 1 < self.max_model_len
-            and (r.sampling_params.max_tokens is None or r.num_output_tokens + 1 < r.sampling_params.max_tokens)
-        ]
+        # launched's token is not appended yet: a request continues if it may emit at least one more after it. NOTE:
+        # num_tokens and num_output_tokens spelled out (lengths; properties cost a call per request and step).
+        max_model_len = self.max_model_len
+        going_on = []
+        for r in active:
+            n = len(r.all_token_ids) + 1
+            max_tokens = r.sampling_params.max_tokens
+            if n < max_model_len and (max_tokens is None or n - len(r.prompt_token_ids) < max_tokens):
+                going_on.append(r)
         if not going_on:
             return None
         if self.spec is not None:
@@ -566,7 +577,7 @@ class LLMEngine:
         # The KV of launched's token and of this one's, and the drafter's lookahead past them: the regime may choose
         # to draft after this step (without the lookahead that drafting ran past the block table, on the H200).
         lookahead = self.scheduler.num_lookahead_tokens
-        if not all(self.kv.allocate(r, 2, lookahead=lookahead) for r in going_on):
+        if not self.kv.allocate_decode(going_on, 2, lookahead=lookahead):
             return False if self.spec is not None else None  # the drafting choice was asked: plain
         if sched.continued and len(going_on) == len(sched.scheduled):
             # NOTE: the same requests in the same order (going_on keeps sched's order): a continued step's entries are
@@ -627,14 +638,37 @@ class LLMEngine:
         req.spec_num_draft_tokens += num_drafts
         req.spec_num_accepted_tokens += num_accepted
 
-    def _process(self, req: Request, sampled: list[SampledRow], now: float) -> RequestOutput | None:
-        """Append this step's tokens in order; the first that finishes the request ends it (the rest are dropped)."""
+    def _process_guarded(
+        self, req: Request, tokens: Sequence[int], rows: list[SampledRow] | None, now: float
+    ) -> RequestOutput | None:
+        """_process, a fault in it failing this request alone."""
+        try:
+            return self._process(req, tokens, rows, now)
+        except Exception:
+            # NOTE: a fault in one request's output (its detokenizer, a stop check) fails that request alone: the
+            # batch's others already have their tokens and go on. What faults the whole step (the model runner,
+            # drafting) is not caught, and propagates from step().
+            if req.status.finished:  # it came while finishing the request: the engine's state is in doubt
+                raise
+            logger.exception("request %s failed while its output was processed", req.request_id)
+            return self._fail(req, now)
+
+    def _process(
+        self, req: Request, tokens: Sequence[int], rows: list[SampledRow] | None, now: float
+    ) -> RequestOutput | None:
+        """Append this step's tokens in order; the first that finishes the request ends it (the rest are dropped).
+        rows: the tokens' sampled rows where they carry logprobs, else None."""
         tracked = self._tracked[req.request_id]
         status = None
-        for row in sampled:
-            status = self._append(tracked, row)
-            if status is not None:
-                break
+        num_appended = 0  # counted once, not token by token (a token appended before a fault is counted)
+        try:
+            for i, token in enumerate(tokens):
+                num_appended += 1
+                status = self._append(tracked, token, None if rows is None else rows[i])
+                if status is not None:
+                    break
+        finally:
+            self.stats["num_generation_tokens"] += num_appended
         # NOTE: after the accepted drafts are appended (a block's hash needs its tokens), before finishing frees it.
         self.kv.cache_computed_blocks(req)
         if status is None:
@@ -655,13 +689,11 @@ class LLMEngine:
         finally:
             self._ending_ms += (time.perf_counter() - start) * 1e3
 
-    def _append(self, tracked: _Tracked, sampled: SampledRow) -> RequestStatus | None:
+    def _append(self, tracked: _Tracked, token: int, sampled: SampledRow | None) -> RequestStatus | None:
         req = tracked.request
         p = req.sampling_params
-        token = sampled.token_id
         req.all_token_ids.append(token)
-        self.stats["num_generation_tokens"] += 1
-        if sampled.logprob is not None:
+        if sampled is not None and sampled.logprob is not None:
             entry = {token: Logprob(sampled.logprob, sampled.rank or 1)}
             for rank, (tid, lp) in enumerate(sampled.top_logprobs or [], start=1):
                 entry.setdefault(tid, Logprob(lp, rank))  # the sampled token keeps its own rank (ties: equal)
@@ -671,7 +703,8 @@ class LLMEngine:
             req.cumulative_logprob += sampled.logprob
 
         status = None
-        n_out = req.num_output_tokens
+        num_tokens = len(req.all_token_ids)  # NOTE: not the properties: a call each, per request and step
+        n_out = num_tokens - len(req.prompt_token_ids)
         if n_out >= p.min_tokens:
             if token == req.eos_token_id and not p.ignore_eos:
                 status = RequestStatus.FINISHED_STOPPED
@@ -689,7 +722,7 @@ class LLMEngine:
         if status is None and delta and p.stop and n_out >= p.min_tokens:
             status = self._check_stop_strings(tracked, len(delta))
         if status is None and (
-            (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len
+            (p.max_tokens is not None and n_out >= p.max_tokens) or num_tokens >= self.max_model_len
         ):
             status = RequestStatus.FINISHED_LENGTH
         return status

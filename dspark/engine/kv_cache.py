@@ -109,11 +109,28 @@ class KVCacheManager:
             req.block_ids.append(b)
         return True
 
+    def allocate_decode(self, reqs: list[Request], num_new_tokens: int, lookahead: int = 0) -> bool:
+        """allocate(r, num_new_tokens, lookahead=lookahead) for running requests in turn, stopping at the first that
+        does not fit (False; those before it keep their blocks, as with allocate called one by one).
+
+        NOTE: a continued decode step's allocation, every request, every step: most hold their next tokens already
+        (a new block every block_size tokens), and that is checked here inline, not by a call per request (1024
+        calls were ~0.4 ms of a continued step's host work at C = 1024 on the 2-vCPU machine)."""
+        bs = self.block_size
+        for r in reqs:
+            if r.num_computed_tokens + num_new_tokens + lookahead > len(r.block_ids) * bs and not self.allocate(
+                r, num_new_tokens, lookahead=lookahead
+            ):
+                return False
+        return True
+
     def cache_computed_blocks(self, req: Request) -> None:
         """Register the request's full, computed blocks so later requests with the same prefix can reuse them."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        if req.num_computed_tokens < (len(req.block_hashes) + 1) * bs:
+            return  # no block filled since the last call: most calls (a decode step fills one every block_size steps)
         # NOTE: a stop inside accepted drafts leaves num_computed_tokens past the tokens the request kept.
         num_full = min(min(req.num_computed_tokens, req.num_tokens) // bs, len(req.block_ids))
         tokens = req.all_token_ids

@@ -67,6 +67,42 @@ def test_allocate_fails_atomically_when_full() -> None:
     check_consistent(kv, [a, b])
 
 
+def test_allocate_decode_is_allocate_request_by_request() -> None:
+    # Running requests at every offset within a block: allocate_decode's inline check must call allocate exactly where
+    # the step crosses into a block the request does not hold, and give what allocate one by one gives.
+    def running(kv: KVCacheManager) -> list[Request]:
+        reqs = []
+        for i in range(2 * BS):
+            r = make_req(f"r{i}", list(range(BS + i)))
+            assert kv.allocate(r, r.num_tokens)
+            r.num_computed_tokens = r.num_tokens
+            reqs.append(r)
+        return reqs
+
+    for num_new, lookahead in ((1, 0), (2, 0), (2, BS), (2, 2 * BS + 1)):
+        kv_a, kv_b = KVCacheManager(num_blocks=200, block_size=BS), KVCacheManager(num_blocks=200, block_size=BS)
+        a, b = running(kv_a), running(kv_b)
+        before = [len(r.block_ids) for r in a]
+        assert kv_a.allocate_decode(a, num_new, lookahead=lookahead)
+        assert all(kv_b.allocate(r, num_new, lookahead=lookahead) for r in b)
+        assert [r.block_ids for r in a] == [r.block_ids for r in b]
+        grew = [len(r.block_ids) > n for r, n in zip(a, before, strict=True)]
+        assert any(grew) and (lookahead > 0 or not all(grew))  # without lookahead, both sides of the check taken
+        check_consistent(kv_a, a)
+
+
+def test_allocate_decode_stops_at_the_first_request_that_does_not_fit() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    a, b, c = (make_req(x, list(range(BS))) for x in "abc")
+    for r in (a, b, c):
+        assert kv.allocate(r, BS)
+        r.num_computed_tokens = BS
+    # One free block: a gets it, b does not fit, c is not asked.
+    assert not kv.allocate_decode([a, b, c], 1)
+    assert [len(r.block_ids) for r in (a, b, c)] == [2, 1, 1]
+    check_consistent(kv, [a, b, c])
+
+
 def test_prefix_hit_reuses_block_ids_and_leaves_one_token() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     prompt = list(range(3 * BS + 2))
@@ -116,6 +152,20 @@ def test_partial_and_uncomputed_blocks_are_not_cached() -> None:
     assert len(a.block_hashes) == 1 and len(kv.cached) == 1
     b = make_req("b", [*range(3 * BS), 99])
     assert kv.computed_prefix(b) == (a.block_ids[:1], BS)
+
+
+def test_cache_computed_blocks_registers_each_block_once_it_fills() -> None:
+    # Decoding token by token: a block is registered the call after its last token is computed, not before.
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    a = make_req("a", list(range(BS - 1)))
+    assert kv.allocate(a, 3 * BS)
+    for n in range(BS - 1, 3 * BS + 1):
+        a.num_computed_tokens = n
+        kv.cache_computed_blocks(a)
+        assert len(a.block_hashes) == n // BS
+        if n < 3 * BS:
+            a.all_token_ids.append(n)
+    assert len(kv.cached) == 3
 
 
 def test_free_cached_blocks_still_hit_and_are_taken_back_from_the_free_list() -> None:
