@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import os
@@ -320,7 +321,9 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        params = params or SamplingParams()
+        # NOTE: the request's own copy: a continued step does not check again what its requests passed when the chain
+        # began (engine._continuation), so a caller's later change to a shared SamplingParams must not reach it.
+        params = copy.deepcopy(params) if params is not None else SamplingParams()
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)

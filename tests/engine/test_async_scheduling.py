@@ -330,6 +330,24 @@ def test_adaptive_ngram_speculation(tiny_model_dirs: dict[str, Path]) -> None:
             assert m["num_pipelined_steps"] > 0, "adaptive speculation never pipelined a plain step"
 
 
+def test_a_request_keeps_the_sampling_params_it_was_added_with(engines: dict[bool, LLM]) -> None:
+    # A continued step does not check again what its requests passed when the chain began (logprobs, penalties,
+    # lengths): a caller's change to the SamplingParams it passed, mid-run, must not reach the request.
+    engine = engines[True].engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    rid = engine.add_request(_prompts(11, [7])[0], params)
+    finals = {}
+    for i in range(40):
+        if i == 3:
+            params.max_tokens, params.logprobs, params.output_kind = 2, 3, "delta"
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    _check_idle(engine)
+    out = finals[rid].outputs[0]
+    assert len(out.token_ids) == 12 and out.logprobs is None and out.finish_reason == "length"
+
+
 def test_async_scheduling_must_be_a_bool(untied_model: str) -> None:
     for value in ("yes", 1, "true"):
         with pytest.raises(ConfigError) as e:
