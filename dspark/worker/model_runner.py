@@ -59,6 +59,9 @@ class Launched:
     # hold for good once they hold (only min_tokens, behind, can change them), so a step continuing this one's
     # requests takes the same path without asking each request again.
     plain: str | None = None
+    # plain == "temperature": the rows' temperatures ([n] fp32 on the device), seeds and output positions (int64), for
+    # a step that continues the same entries (engine._continuation) to reuse, its positions one further on.
+    temperature_rows: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -211,12 +214,8 @@ class ModelRunner:
                     known is None and all(plain_temperature(s.request, s.continues) for s in sampling)
                 ):
                     launched.plain = "temperature"
-                    launched.tokens = self.sampler.plain_temperature(
-                        logits_of(rows),
-                        [s.request.sampling_params.temperature for s in sampling],
-                        [s.request.seed for s in sampling],
-                        [s.request.num_output_tokens + s.continues for s in sampling],
-                    )
+                    launched.temperature_rows = self._temperature_rows(sampling, previous)
+                    launched.tokens = self.sampler.plain_temperature(logits_of(rows), *launched.temperature_rows)
                 else:
                     launched.tokens = self.sampler.tokens(
                         logits_of(rows), [sampling_row(s.request, [0] if s.continues else None) for s in sampling]
@@ -280,6 +279,21 @@ class ModelRunner:
         slots = blocks * bs + pos % bs
         tables = [r.block_ids for r in reqs]
         return [0] * n, pos.tolist(), slots.tolist(), list(range(n + 1)), (pos + 1).tolist(), tables
+
+    def _temperature_rows(
+        self, sampling: list[ScheduledRequest], previous: Launched | None
+    ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """The sampling requests' temperatures (on the device), seeds and the output position each samples."""
+        if previous is not None and sampling is previous.sched.scheduled and previous.temperature_rows is not None:
+            # NOTE: the same entries continue `previous`, so each samples the position after the one it sampled there
+            # (three lists of 1024 and an upload a step at C = 1024, otherwise).
+            temps, seeds, positions = previous.temperature_rows
+            return temps, seeds, positions + 1
+        n = len(sampling)
+        temps = upload([s.request.sampling_params.temperature for s in sampling], torch.float32, self.device)
+        seeds = np.fromiter((s.request.seed for s in sampling), np.int64, n)
+        positions = np.fromiter((s.request.num_output_tokens + s.continues for s in sampling), np.int64, n)
+        return temps, seeds, positions
 
     def _continued_inputs(self, sched: SchedulerOutput, previous: Launched | None) -> torch.Tensor | None:
         """The continued requests' input tokens ([n] on the device): what `previous` sampled for them."""

@@ -168,14 +168,22 @@ class Sampler:
         return self.sample_on_device(self.target_probs(logits[:n], rows), rows)
 
     def plain_temperature(
-        self, logits: torch.Tensor, temperatures: list[float], seeds: list[int], counters: list[int]
+        self,
+        logits: torch.Tensor,
+        temperatures: Sequence[float] | torch.Tensor,
+        seeds: Sequence[int] | np.ndarray,
+        counters: Sequence[int] | np.ndarray,
     ) -> torch.Tensor:
         """tokens() for rows that only have a temperature (>= GREEDY_BELOW; no top-k/p, min-p, penalties or banned
         tokens): the same softmax and draws as probabilities() and sample_on_device() make for such rows, without a
-        SamplingRow per row ([n] int64 on logits' device, not waited for)."""
+        SamplingRow per row ([n] int64 on logits' device, not waited for). temperatures: a list, or already [n] fp32
+        on logits' device (checked when it was made)."""
         n = len(temperatures)
-        assert min(temperatures, default=1.0) >= GREEDY_BELOW, "greedy rows take the argmax, not a softmax"
-        temps = upload(temperatures, torch.float32, logits.device)
+        if isinstance(temperatures, torch.Tensor):
+            temps = temperatures
+        else:
+            assert min(temperatures, default=1.0) >= GREEDY_BELOW, "greedy rows take the argmax, not a softmax"
+            temps = upload(temperatures, torch.float32, logits.device)
         probs = torch.softmax(logits[:n] / temps[:, None], dim=-1)
         return self.draw(probs, uniforms(seeds, counters))
 
