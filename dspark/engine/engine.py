@@ -467,9 +467,9 @@ class LLMEngine:
         # step (cProfile of benchmarks/host_step.py --spec --async-scheduling, 2-vCPU machine).
         may_draft = self.spec is not None and draft_choice is not False
         if result.tokens is not None:
-            # A continued step: one plain token per request, in the step's order; the loop below, less what such a
-            # step cannot hold (drafts, prompt chunks, rows with logprobs). NOTE: its steady state at high load,
-            # request by request: at C = 1024 most of the host's work of a plain step.
+            # A continued step: one plain token per request, in the step's order; the general loop below, less what
+            # such a step cannot hold (drafts, prompt chunks, rows with logprobs). NOTE: the steady state at high
+            # load, request by request: at C = 1024 most of the host's work of a plain step.
             for s, token in zip(sched.scheduled, result.tokens, strict=True):
                 req = s.request
                 if req.status.finished:  # stopped or aborted after this step was launched: its token is void
@@ -482,31 +482,32 @@ class LLMEngine:
                 if may_draft and not req.status.finished and req.sampling_params.max_speculative_tokens != 0:
                     drafting.append(req)
             num_emitted = num_live
-        for s in sched.scheduled if result.tokens is None else ():
-            req = s.request
-            if req.status.finished:  # stopped or aborted after its continued step was launched: that token is void
-                continue
-            num_live += 1
-            sampled = result.sampled.get(req.request_id)
-            num_rejected = 0
-            if s.spec_token_ids:
-                num_rejected = len(s.spec_token_ids) - result.num_accepted[req.request_id]
-                self._count_spec(req, len(s.spec_token_ids), result.num_accepted[req.request_id])
-            if req.spec_token_ids:
-                req.spec_token_ids = []
-            # Rejected drafts' KV stays where it is, past num_computed_tokens, to be overwritten later.
-            req.num_computed_tokens += s.num_new_tokens - num_rejected
-            if sampled is None:  # a prompt chunk: its tokens are all known already
-                self.kv.cache_computed_blocks(req)
-            else:
-                num_emitted += len(sampled)
-                req.first_token_time = req.first_token_time or now
-                rows = sampled if any(row.logprob is not None for row in sampled) else None
-                out = self._process_guarded(req, [row.token_id for row in sampled], rows, now)
-                if out is not None:
-                    outputs.append(out)
-                if may_draft and not req.status.finished and req.sampling_params.max_speculative_tokens != 0:
-                    drafting.append(req)
+        else:
+            for s in sched.scheduled:
+                req = s.request
+                if req.status.finished:  # stopped or aborted after its continued step was launched: that token is void
+                    continue
+                num_live += 1
+                sampled = result.sampled.get(req.request_id)
+                num_rejected = 0
+                if s.spec_token_ids:
+                    num_rejected = len(s.spec_token_ids) - result.num_accepted[req.request_id]
+                    self._count_spec(req, len(s.spec_token_ids), result.num_accepted[req.request_id])
+                if req.spec_token_ids:
+                    req.spec_token_ids = []
+                # Rejected drafts' KV stays where it is, past num_computed_tokens, to be overwritten later.
+                req.num_computed_tokens += s.num_new_tokens - num_rejected
+                if sampled is None:  # a prompt chunk: its tokens are all known already
+                    self.kv.cache_computed_blocks(req)
+                else:
+                    num_emitted += len(sampled)
+                    req.first_token_time = req.first_token_time or now
+                    rows = sampled if any(row.logprob is not None for row in sampled) else None
+                    out = self._process_guarded(req, [row.token_id for row in sampled], rows, now)
+                    if out is not None:
+                        outputs.append(out)
+                    if may_draft and not req.status.finished and req.sampling_params.max_speculative_tokens != 0:
+                        drafting.append(req)
         if draft_choice is None:
             draft_choice = bool(drafting) and (
                 self.planner is None or self.planner.should_draft([r.request_id for r in drafting])
