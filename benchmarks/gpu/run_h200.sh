@@ -36,6 +36,7 @@
 # The GPU tests get 420 s: on a fresh machine they took more than 330 s in session 3 (engine start-ups: GGUF parse,
 # Triton compiles, graph capture), and were cut there.
 # Everything lands in $OUT. Usage there: source .device/setup.sh && PHASE=check bash benchmarks/gpu/run_h200.sh
+# The prompts: .device/data, made here by benchmarks/gpu/data_prepare.sh and carried.
 set -uo pipefail
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
