@@ -469,7 +469,7 @@ class LLMEngine:
         if result.tokens is not None:
             # A continued step: one plain token per request, in the step's order; the general loop below, less what
             # such a step cannot hold (drafts, prompt chunks, rows with logprobs). NOTE: the steady state at high
-            # load, request by request: at C = 1024 most of the host's work of a plain step.
+            # load, request by request: at C = 1024 about half of a plain step's host work (host_step.py).
             for s, token in zip(sched.scheduled, result.tokens, strict=True):
                 req = s.request
                 if req.status.finished:  # stopped or aborted after this step was launched: its token is void
