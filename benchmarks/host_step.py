@@ -77,7 +77,8 @@ def host_ms(
         planner_module.drafting_verdict = verdict  # type: ignore[assignment]
 
     def stub(sched: mr.SchedulerOutput, previous: mr.Launched | None = None) -> mr.Launched:
-        # the runner's host work: input lists, then the sampling rows; one token per sampling request
+        # the runner's host work as it was before sessions 9-10's cuts (input lists and sampling lists request by
+        # request, every step); one token per sampling request. NOTE: --real-runner times the runner's own work.
         ids: list[int] = []
         for s in sched.scheduled:
             req = s.request

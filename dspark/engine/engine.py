@@ -502,8 +502,7 @@ class LLMEngine:
                 else:
                     num_emitted += len(sampled)
                     req.first_token_time = req.first_token_time or now
-                    rows = sampled if any(row.logprob is not None for row in sampled) else None
-                    out = self._process_guarded(req, [row.token_id for row in sampled], rows, now)
+                    out = self._process_guarded(req, [row.token_id for row in sampled], sampled, now)
                     if out is not None:
                         outputs.append(out)
                     if may_draft and not req.status.finished and req.sampling_params.max_speculative_tokens != 0:
@@ -661,7 +660,7 @@ class LLMEngine:
         self, req: Request, tokens: Sequence[int], rows: list[SampledRow] | None, now: float
     ) -> RequestOutput | None:
         """Append this step's tokens in order; the first that finishes the request ends it (the rest are dropped).
-        rows: the tokens' sampled rows where they carry logprobs, else None."""
+        rows: the tokens' sampled rows (their logprobs, if any), or None (a continued step's: none)."""
         tracked = self._tracked[req.request_id]
         status = None
         num_appended = 0  # counted once, not token by token (a token appended before a fault is counted)
