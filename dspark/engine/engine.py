@@ -49,6 +49,11 @@ class _Tracked:
     deferred: list[int] | None = None
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
+    # Where text is deferred: a token outside `ends_on` (its EOS unless ignored, its stop token ids) that leaves the
+    # request under `end_at` tokens (its max_tokens, max_model_len) cannot end it, so a continued step appends it
+    # without _process (engine._process_continued). Both are conservative: min_tokens is _process's to apply.
+    ends_on: frozenset[int] = frozenset()
+    end_at: int = 0
 
 
 def _reads_tokens(p: SamplingParams) -> bool:
@@ -355,9 +360,14 @@ class LLMEngine:
         # NOTE: nobody reads the text of a final_only request before it ends, and without stop strings nothing checks
         # it: deferring it took the host step from 1.98 to 1.50 ms (benchmarks/host_step.py, C = 256, CPU).
         defer = params.output_kind == "final_only" and not params.stop
-        self._tracked[request_id] = _Tracked(
-            req, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), deferred=[] if defer else None
-        )
+        tracked = _Tracked(req, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
+        if defer:
+            tracked.deferred = []
+            eos = () if params.ignore_eos or req.eos_token_id is None else (req.eos_token_id,)
+            tracked.ends_on = frozenset((*eos, *params.stop_token_ids))
+            limit = self.max_model_len
+            tracked.end_at = limit if params.max_tokens is None else min(limit, len(ids) + params.max_tokens)
+        self._tracked[request_id] = tracked
         self.scheduler.add(req)
         self.stats["num_prompt_tokens"] += len(ids)
         return request_id
@@ -467,21 +477,9 @@ class LLMEngine:
         # step (cProfile of benchmarks/host_step.py --spec --async-scheduling, 2-vCPU machine).
         may_draft = self.spec is not None and draft_choice is not False
         if result.tokens is not None:
-            # A continued step: one plain token per request, in the step's order; the general loop below, less what
-            # such a step cannot hold (drafts, prompt chunks, rows with logprobs). NOTE: the steady state at high
-            # load, request by request: at C = 1024 about half of a plain step's host work (host_step.py).
-            for s, token in zip(sched.scheduled, result.tokens, strict=True):
-                req = s.request
-                if req.status.finished:  # stopped or aborted after this step was launched: its token is void
-                    continue
-                num_live += 1
-                req.num_computed_tokens += 1  # first_token_time: set when the step it continues was collected
-                out = self._process_guarded(req, (token,), None, now)
-                if out is not None:
-                    outputs.append(out)
-                if may_draft and not req.status.finished and req.sampling_params.max_speculative_tokens != 0:
-                    drafting.append(req)
-            num_emitted = num_live
+            num_live = num_emitted = self._process_continued(
+                sched.scheduled, result.tokens, now, outputs, drafting if may_draft else None
+            )
         else:
             for s in sched.scheduled:
                 req = s.request
@@ -588,6 +586,49 @@ class LLMEngine:
             # steps launched alone only), so they serve again instead of 1024 new ones a step at C = 1024.
             return SchedulerOutput(sched.scheduled, continued=True)
         return SchedulerOutput([ScheduledRequest(r, 1, continues=True) for r in going_on], continued=True)
+
+    def _process_continued(
+        self,
+        scheduled: list[ScheduledRequest],
+        tokens: list[int],
+        now: float,
+        outputs: list[RequestOutput],
+        drafting: list[Request] | None,
+    ) -> int:
+        """A continued step's tokens, one plain token per request in the step's order: what the general loop of _step
+        does, less what such a step cannot hold (drafts, prompt chunks, logprobs). Outputs go to `outputs`; requests
+        still running that may draft, to `drafting` (None: the step's drafting choice is made, plain). Returns the
+        number of live requests (each emitted a token).
+
+        NOTE: the steady state at high load, request by request: at C = 1024 about half of a plain step's host work
+        (host_step.py), most of it _process's calls. A final_only request whose text is deferred, with a token that
+        cannot end it (_Tracked.ends_on, end_at), only appends it: nothing else of _process applies to it."""
+        tracked_of = self._tracked
+        quiet: list[Request] = []
+        num_live = 0
+        for s, token in zip(scheduled, tokens, strict=True):
+            req = s.request
+            if req.status.finished:  # stopped or aborted after this step was launched: its token is void
+                continue
+            num_live += 1
+            req.num_computed_tokens += 1  # first_token_time: set when the step it continues was collected
+            tracked = tracked_of[req.request_id]
+            all_ids = req.all_token_ids
+            if tracked.deferred is not None and token not in tracked.ends_on and len(all_ids) + 1 < tracked.end_at:
+                all_ids.append(token)
+                tracked.deferred.append(token)
+                quiet.append(req)
+            else:
+                out = self._process_guarded(req, (token,), None, now)
+                if out is not None:
+                    outputs.append(out)
+                if req.status.finished:
+                    continue
+            if drafting is not None and req.sampling_params.max_speculative_tokens != 0:
+                drafting.append(req)
+        self.stats["num_generation_tokens"] += len(quiet)
+        self.kv.cache_computed_blocks_of(quiet)
+        return num_live
 
     def _draft(self, requests: list[Request]) -> None:
         """Propose the drafts each request verifies next step, cut to what it could still emit."""

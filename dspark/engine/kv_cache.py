@@ -144,6 +144,17 @@ class KVCacheManager:
                 self.hash_of[b] = h
                 self.cached[h] = b
 
+    def cache_computed_blocks_of(self, reqs: list[Request]) -> None:
+        """cache_computed_blocks for each request, called only for those that filled a block since their last call
+        (every block_size decode steps: at C = 1024 a call per request and step was ~7% of a continued step's host
+        work under cProfile, 2-vCPU machine)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for r in reqs:
+            if r.num_computed_tokens >= (len(r.block_hashes) + 1) * bs:
+                self.cache_computed_blocks(r)
+
     def free_request(self, req: Request) -> None:
         # Freed in reverse so that a request's tail blocks are reused first and its shared prefix survives longest.
         for b in reversed(req.block_ids):

@@ -147,6 +147,30 @@ def test_seeded_sampling_and_stop_tokens(engines: dict[bool, LLM]) -> None:
     assert stopped.stop_reason == stop_at
 
 
+def test_eos_ends_a_request_mid_run(engines: dict[bool, LLM]) -> None:
+    """A continued step appends a token that cannot end its request without the rest of output processing
+    (engine._process_continued); the request's EOS still ends it there, as in the synchronous engine, and with
+    ignore_eos the same token does not. The engines' EOS is set to a token the greedy output reaches mid-run (the
+    tiny model's own EOS is drawn too rarely to test)."""
+    prompts = _prompts(3, [7, 12])
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    ids = _both(engines, prompts[1:], [free])[0][False][0].outputs[0].token_ids
+    eos = next(t for i, t in enumerate(ids) if i >= 5 and t not in ids[:i])  # its first appearance, well into the run
+    saved = {mode: llm.engine.eos_token_id for mode, llm in engines.items()}
+    try:
+        for llm in engines.values():
+            llm.engine.eos_token_id = eos
+        params = [SamplingParams(temperature=0.0, max_tokens=30), SamplingParams(temperature=0.0, max_tokens=30), free]
+        outs, num_pipelined = _both(engines, [prompts[0], prompts[1], prompts[1]], params)
+    finally:
+        for mode, llm in engines.items():
+            llm.engine.eos_token_id = saved[mode]
+    assert num_pipelined > 0, "async scheduling never pipelined a step"
+    stopped, ignored = outs[False][1].outputs[0], outs[False][2].outputs[0]
+    assert stopped.token_ids == ids[: ids.index(eos) + 1] and stopped.finish_reason == "stop"
+    assert ignored.token_ids == ids and ignored.finish_reason == "length"
+
+
 def test_stop_string_ends_one_request_while_others_go_on(engines: dict[bool, LLM]) -> None:
     prompts = _prompts(3, [12, 8, 21, 15])
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

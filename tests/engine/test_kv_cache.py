@@ -168,6 +168,27 @@ def test_cache_computed_blocks_registers_each_block_once_it_fills() -> None:
     assert len(kv.cached) == 3
 
 
+def test_cache_computed_blocks_of_is_cache_computed_blocks_request_by_request() -> None:
+    # Requests decoding at every offset within a block, a step at a time: the batch call (which calls only for requests
+    # that filled a block) registers what a call per request registers, on the same step.
+    kvs = [KVCacheManager(num_blocks=64, block_size=BS) for _ in range(2)]
+    reqs = [[make_req(f"r{i}", list(range(10 * i, 10 * i + BS + i))) for i in range(BS + 1)] for _ in kvs]
+    for kv, rs in zip(kvs, reqs, strict=True):
+        for r in rs:
+            compute_all(kv, r)
+            assert kv.allocate(r, 3 * BS)
+    for step in range(3 * BS):
+        kvs[0].cache_computed_blocks_of(reqs[0])
+        for r in reqs[1]:
+            kvs[1].cache_computed_blocks(r)
+        assert [r.block_hashes for r in reqs[0]] == [r.block_hashes for r in reqs[1]], step
+        assert kvs[0].cached == kvs[1].cached and kvs[0].hash_of == kvs[1].hash_of, step
+        for r in (*reqs[0], *reqs[1]):
+            r.all_token_ids.append(step)
+            r.num_computed_tokens += 1
+    assert all(len(r.block_hashes) >= 3 for r in reqs[0])  # the decode steps filled blocks (prompts fill 1 or 2)
+
+
 def test_free_cached_blocks_still_hit_and_are_taken_back_from_the_free_list() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     prompt = list(range(3 * BS))
