@@ -8,7 +8,8 @@ scheduler, the runner's input lists and sampling rows, and output processing (de
 --real-runner keeps the model runner's own launch and collect (inputs, sampling-path choice, the argmax, the tokens'
 way back) and stubs only the target's forward and logits (8 vocabulary columns), with --spec the drafter's context
 write, and with a temperature the sampler's draw (the CPU draws row by row, where a CUDA step makes one batched pass;
-the draw's uniforms are still computed on the host). The graph runner's staging (CUDA only) is not in it.
+the draw's uniforms are still computed on the host); the tokens sampled are then made ordinary text tokens (so that
+streamed output detokenises text). The graph runner's staging (CUDA only) is not in it.
 
 NOTE: against another commit, run both from their own checkouts with PYTHONPATH set to each (`PYTHONPATH=$PWD python
 benchmarks/host_step.py ...` in a `git worktree`): `python benchmarks/host_step.py` puts benchmarks/, not the checkout,
@@ -113,6 +114,20 @@ def host_ms(
         runner.model.compute_logits = lambda h, invariant=None: torch.zeros(h.shape[0], 8)  # type: ignore[method-assign]
         if runner.drafter is not None:  # --spec: the drafter's context write is device work (a matmul), stubbed too
             runner.drafter.extend_context = lambda taps, positions, slots: None  # type: ignore[method-assign]
+        # NOTE: the stubs sample token 0, a special token that decodes to nothing: a streamed request's detokenizer
+        # would never emit text, and its window would grow every step. Every request samples an ordinary text token
+        # instead (ids 1000-1499 in turn, one a step): an in-place add on the step's [n] tokens.
+        launch, num_launched = runner.launch, [0]
+
+        def text_launch(sched: mr.SchedulerOutput, previous: mr.Launched | None = None) -> mr.Launched:
+            launched = launch(sched, previous)
+            if launched.tokens is not None:
+                with torch.inference_mode():  # the runner's tensors are inference tensors
+                    launched.tokens.add_(1000 + num_launched[0] % 500)
+            num_launched[0] += 1
+            return launched
+
+        runner.launch = text_launch  # type: ignore[method-assign]
     else:
         engine.runner.launch = stub  # type: ignore[method-assign]
     params = SamplingParams(temperature=temperature, max_tokens=steps + 200, ignore_eos=True, output_kind=output_kind)

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21: the offsets below only
+    DecodeStream = None
+
 CONTEXT_TOKENS = 6  # prompt tokens used as left context for the first output tokens
 
 
@@ -25,6 +30,12 @@ class IncrementalDetokenizer:
         self._fast = (
             backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
         )
+        # add()'s state in the Rust tokenizer's own DecodeStream (the same windows, one call per token instead of two
+        # decodes and their slicing: 1.0 against 2.5 us a token with the SmolLM2 tokenizer on the 2-vCPU machine, where
+        # a streamed step at C = 1024 spent ~40% of its host time detokenising). Made at the first add(): a request
+        # whose text is deferred only ever calls add_all().
+        self._stream: Any = None
+        self._use_offsets = self._fast is None or DecodeStream is None
 
     def _decode(self, ids: list[int]) -> str:
         if self._fast is not None:
@@ -33,6 +44,11 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
+        if not self._use_offsets:
+            if self._stream is None:
+                self._stream = self._new_stream()
+            if self._stream is not None:
+                return self._stream.step(self._fast, token_ids[0] if len(token_ids) == 1 else token_ids) or ""
         self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
@@ -42,10 +58,25 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return delta
 
+    def _new_stream(self) -> Any:
+        """A DecodeStream over the prompt context, or None (and the offsets from now on) where it would not give the
+        offsets' text: a context that decodes to a trailing U+FFFD (it ends inside a character) made the stream emit
+        the context's own text, in 16 of 6000 random sequences with the SmolLM2 tokenizer; none differed otherwise."""
+        context = self.ids[self.prefix_offset :]
+        if self._decode(context).endswith("\ufffd"):
+            self._use_offsets = True
+            return None
+        try:
+            return DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
+        except TypeError:  # tokenizers < 0.22 takes no context ids
+            self._use_offsets = True
+            return None
+
     def add_all(self, token_ids: list[int]) -> str:
         """Append many tokens at once, for text nobody reads before the request ends: a few decodes instead of two per
         token. Like add, it leaves out trailing tokens that end inside a character (whole tokens, with their other
-        bytes: a token " \xc3" holds back its space too)."""
+        bytes: a token " \xc3" holds back its space too). A detokenizer is fed by add() or by add_all(), not both."""
+        assert self._stream is None, "add_all() after add(): the stream holds add()'s state"
         self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         end = len(self.ids)

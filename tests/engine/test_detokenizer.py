@@ -3,6 +3,7 @@ show half a character, and keep leading spaces."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -122,3 +123,32 @@ def test_adding_all_at_once_gives_the_streamed_text(tok: Any, chat_prompt: list[
     for end in range(1, len(ids) + 1):
         once = IncrementalDetokenizer(tok, chat_prompt).add_all(ids[:end])
         assert once == "".join(stream(tok, chat_prompt, ids[:end])), (text, end)
+
+
+def _offsets_only(tok: Any, prompt: list[int], skip: bool) -> IncrementalDetokenizer:
+    d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    d._use_offsets = True
+    return d
+
+
+def test_the_decode_stream_gives_the_offsets_text_on_random_tokens(tok: Any) -> None:
+    """add() runs on the tokenizer's DecodeStream; on random token ids (byte tokens and special tokens among them) and
+    random prompts its deltas are those of the offsets it replaced, one by one. A prompt context that ends inside a
+    character (half an emoji) keeps the offsets, which give the right text there."""
+    rng = random.Random(0)
+    vocab = len(tok)
+    half_emoji = tok.encode("🚀", add_special_tokens=False)[:1]
+    num_streamed = num_fallback = 0
+    for trial in range(300):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 9))] + (half_emoji if trial % 5 == 0 else [])
+        kinds = 3 if trial % 2 else 1  # odd trials: byte tokens and special ones too
+        ids = [
+            (rng.randrange(vocab), rng.randrange(300), rng.choice([0, 1, 2]))[rng.randrange(kinds)]
+            for _ in range(rng.randint(1, 30))
+        ]
+        for skip in (True, False):
+            d, ref = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip), _offsets_only(tok, prompt, skip)
+            assert [d.add([t]) for t in ids] == [ref.add([t]) for t in ids], (prompt, ids, skip)
+            num_streamed += d._stream is not None
+            num_fallback += d._stream is None
+    assert num_streamed > 400 and num_fallback >= 120  # both ran; every prompt ending in half an emoji fell back
