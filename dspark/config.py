@@ -16,7 +16,7 @@ from dspark.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-OUTPUT_KINDS = ("cumulative", "final_only")
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this mean argmax (engine-wide)
 MAX_SPECULATIVE_TOKENS = 32
@@ -74,9 +74,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     max_speculative_tokens: int | None = None  # cap on this request's drafts per step; 0 opts out; None: the engine's
-    # vLLM's RequestOutputKind: "cumulative" (an output every step it produced tokens, for streaming) or
-    # "final_only" (one output, when it finishes: what offline generate() needs, and the host builds no per-step
-    # outputs, which at high load cost more than the GPU step)
+    # vLLM's RequestOutputKind: "cumulative" (an output every step it produced tokens, with all text, token ids and
+    # logprobs so far), "delta" (the same outputs with only what each adds: what a stream sends, without copying a
+    # request's whole output every step) or "final_only" (one output, when it finishes: what offline generate() needs,
+    # and the host builds no per-step outputs, which at high load cost more than the GPU step)
     output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:

@@ -54,6 +54,7 @@ class _Tracked:
     # without _process (engine._process_continued). Both are conservative: min_tokens is _process's to apply.
     ends_on: frozenset[int] = frozenset()
     end_at: int = 0
+    margin: int = 0  # SamplingParams.stop_text_margin, once (a property: a call per output otherwise)
 
 
 def _reads_tokens(p: SamplingParams) -> bool:
@@ -361,6 +362,7 @@ class LLMEngine:
         # it: deferring it took the host step from 1.98 to 1.50 ms (benchmarks/host_step.py, C = 256, CPU).
         defer = params.output_kind == "final_only" and not params.stop
         tracked = _Tracked(req, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
+        tracked.margin = params.stop_text_margin
         if defer:
             tracked.deferred = []
             eos = () if params.ignore_eos or req.eos_token_id is None else (req.eos_token_id,)
@@ -810,18 +812,29 @@ class LLMEngine:
     def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
         req = tracked.request
         # While a stop string could still be completing, hold back its possible beginning from the stream.
-        visible = len(tracked.text) if finished else max(0, len(tracked.text) - req.sampling_params.stop_text_margin)
+        visible = len(tracked.text) if finished else max(0, len(tracked.text) - tracked.margin)
         visible = max(visible, tracked.num_sent_chars)
         new_text = tracked.text[tracked.num_sent_chars : visible]
-        output_ids = req.output_token_ids  # one copy of the list per step and request (it grows; callers keep it)
-        new_ids = output_ids[tracked.num_sent_tokens :]
-        tracked.num_sent_chars, tracked.num_sent_tokens = visible, len(output_ids)
+        num_prompt = len(req.prompt_token_ids)
+        num_sent = tracked.num_sent_tokens
+        new_ids = req.all_token_ids[num_prompt + num_sent :]
+        tracked.num_sent_chars, tracked.num_sent_tokens = visible, num_sent + len(new_ids)
+        logprobs = req.logprobs if req.sampling_params.logprobs is not None else None
+        if req.sampling_params.output_kind == "delta":
+            # NOTE: what this output adds, not all so far: a streamed step at C = 1024 spent ~20% of its host time
+            # copying each request's whole output (the ids, the logprobs) into an output (host_step.py, cumulative).
+            text, output_ids = new_text, new_ids
+            logprobs = logprobs[num_sent:] if logprobs is not None else None
+        else:
+            text = tracked.text
+            output_ids = req.all_token_ids[num_prompt:]  # a copy per output (the list grows; callers keep it)
+            logprobs = list(logprobs) if logprobs is not None else None
         completion = CompletionOutput(
             index=0,
-            text=tracked.text,
+            text=text,
             token_ids=output_ids,
             cumulative_logprob=req.cumulative_logprob if req.sampling_params.logprobs is not None else None,
-            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+            logprobs=logprobs,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
         )

@@ -55,8 +55,9 @@ async def create_chat_completion(served: ServedModel, body: ChatCompletionReques
     else:
         max_tokens, rename = body.max_tokens, {}
     params = sampling_params(body, max_tokens, num_top, {**rename, "logprobs": "top_logprobs"})
-    if not body.stream:
-        params = dataclasses.replace(params, output_kind="final_only")
+    # A stream gets each step's additions only ("delta"); a whole response one output per request, at its end
+    # ("final_only"): the engine builds no per-step outputs, and copies no request's whole output every step.
+    params = dataclasses.replace(params, output_kind="delta" if body.stream else "final_only")
     samples = fan_out(params, body.n)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = await add(served, [prompt] * body.n, samples, response_id)
@@ -125,7 +126,7 @@ async def _chunks(
         c = out.outputs[0]
         logprobs = None
         if num_top is not None and c.logprobs is not None and out.new_token_ids:
-            new = c.logprobs[len(c.token_ids) - len(out.new_token_ids) :]
+            new = c.logprobs  # a delta output's logprobs: the new tokens' only
             logprobs = ChatLogprobs(content=chat_logprobs(out.new_token_ids, new, num_top))
         if out.finished:
             finals[i] = out

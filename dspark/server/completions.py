@@ -34,8 +34,9 @@ async def create_completion(served: ServedModel, body: CompletionRequest, reques
     model = served.model_name(body.model)
     prompts = [_prompt_ids(served, p) for p in body.prompts()]
     params = sampling_params(body, body.max_tokens, body.logprobs)
-    if not body.stream:  # one output per request, at its end: the engine builds no per-step outputs
-        params = dataclasses.replace(params, output_kind="final_only")
+    # A stream gets each step's additions only ("delta"); a whole response one output per request, at its end
+    # ("final_only"): the engine builds no per-step outputs, and copies no request's whole output every step.
+    params = dataclasses.replace(params, output_kind="delta" if body.stream else "final_only")
     samples = fan_out(params, body.n)
     # Engine request k = prompt k // n, sample k % n; it answers as choice k (OpenAI's and vLLM's order).
     response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -93,7 +94,7 @@ async def _chunks(
         c = out.outputs[0]
         logprobs: CompletionLogprobs | None = None
         if body.logprobs is not None and c.logprobs is not None and out.new_token_ids:
-            new = c.logprobs[len(c.token_ids) - len(out.new_token_ids) :]
+            new = c.logprobs  # a delta output's logprobs: the new tokens' only
             logprobs, offsets[i] = completion_logprobs(out.new_token_ids, new, body.logprobs, offsets.get(i, 0))
         if out.finished:
             finals[i] = out

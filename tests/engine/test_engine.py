@@ -154,27 +154,56 @@ def test_huge_numbers_are_config_errors() -> None:
         SamplingParams(temperature=10**400)
 
 
-def test_final_only_outputs_once_with_the_cumulative_result(llm: LLM) -> None:
-    """output_kind="final_only" (vLLM's FINAL_ONLY): no per-step outputs, and the one final output is exactly what
-    the per-step ("cumulative") outputs end with, though its text is detokenised once at the end, not per token."""
+def test_output_kinds_carry_the_same_result(llm: LLM) -> None:
+    """vLLM's output kinds. "final_only": no per-step outputs, and the one final output is exactly what the per-step
+    ("cumulative") outputs end with, though its text is detokenised once at the end, not per token. "delta": the same
+    outputs as "cumulative", each with only what it adds (text, token ids, logprobs), which concatenate to the
+    cumulative result; a stop string's possible beginning is held back from both alike."""
     engine = llm.engine
     results = {}
-    for kind in ("cumulative", "final_only"):
-        params = SamplingParams(temperature=0.8, seed=5, max_tokens=48, ignore_eos=True, output_kind=kind)
+    for kind in ("cumulative", "delta", "final_only"):
+        params = SamplingParams(
+            temperature=0.8, seed=5, max_tokens=48, ignore_eos=True, logprobs=2, stop=["@@@"], output_kind=kind
+        )
         rids = [engine.add_request(p, params) for p in (PROMPT, PROMPT[:10])]
         seen: list[RequestOutput] = []
         while engine.has_unfinished_requests():
             seen += engine.step()
-        results[kind] = {o.request_id: o for o in seen if o.finished}
+        mine = [[o for o in seen if o.request_id == r] for r in rids]
         if kind == "final_only":
             assert len(seen) == 2 and all(o.finished for o in seen)
             assert all(o.new_token_ids == o.outputs[0].token_ids and o.new_text == o.outputs[0].text for o in seen)
         else:
-            assert len(seen) > 2
-        results[kind] = [(results[kind][r].outputs[0].text, results[kind][r].outputs[0].token_ids) for r in rids]
-    assert results["final_only"] == results["cumulative"]
+            assert len(seen) > 2 and all(outs[-1].finished for outs in mine)
+        if kind == "delta":
+            for outs in mine:
+                assert all(o.outputs[0].token_ids == o.new_token_ids and o.outputs[0].text == o.new_text for o in outs)
+                assert all(len(o.outputs[0].logprobs) == len(o.new_token_ids) for o in outs)
+            results[kind] = [
+                (
+                    "".join(o.outputs[0].text for o in outs),
+                    [t for o in outs for t in o.outputs[0].token_ids],
+                    [e for o in outs for e in o.outputs[0].logprobs],
+                    outs[-1].outputs[0].cumulative_logprob,
+                    [(o.new_text, o.new_token_ids) for o in outs],
+                )
+                for outs in mine
+            ]
+            continue
+        results[kind] = [
+            (
+                outs[-1].outputs[0].text,
+                outs[-1].outputs[0].token_ids,
+                outs[-1].outputs[0].logprobs,
+                outs[-1].outputs[0].cumulative_logprob,
+                [(o.new_text, o.new_token_ids) for o in outs],
+            )
+            for outs in mine
+        ]
+    assert [r[:4] for r in results["final_only"]] == [r[:4] for r in results["cumulative"]]
+    assert results["delta"] == results["cumulative"]  # the same outputs, the same steps
     with pytest.raises(ConfigError, match="output_kind"):
-        SamplingParams(output_kind="delta")
+        SamplingParams(output_kind="deltas")
 
 
 def test_a_dropped_engine_is_collected_when_the_next_is_built(tiny_model_dirs: dict[str, Path]) -> None:
