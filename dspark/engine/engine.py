@@ -606,31 +606,42 @@ class LLMEngine:
         (host_step.py), most of it _process's calls. A final_only request whose text is deferred, with a token that
         cannot end it (_Tracked.ends_on, end_at), only appends it: nothing else of _process applies to it."""
         tracked_of = self._tracked
-        quiet: list[Request] = []
-        num_live = 0
-        for s, token in zip(scheduled, tokens, strict=True):
-            req = s.request
-            if req.status.finished:  # stopped or aborted after this step was launched: its token is void
-                continue
-            num_live += 1
-            req.num_computed_tokens += 1  # first_token_time: set when the step it continues was collected
-            tracked = tracked_of[req.request_id]
-            all_ids = req.all_token_ids
-            if tracked.deferred is not None and token not in tracked.ends_on and len(all_ids) + 1 < tracked.end_at:
-                all_ids.append(token)
-                tracked.deferred.append(token)
-                quiet.append(req)
-            else:
-                out = self._process_guarded(req, (token,), None, now)
-                if out is not None:
-                    outputs.append(out)
-                if req.status.finished:
+        quiet: list[Request] = []  # appended without _process; counted and their blocks registered from `done` on
+        done = num_live = 0
+        try:
+            for s, token in zip(scheduled, tokens, strict=True):
+                req = s.request
+                if req.status.finished:  # stopped or aborted after this step was launched: its token is void
                     continue
-            if drafting is not None and req.sampling_params.max_speculative_tokens != 0:
-                drafting.append(req)
-        self.stats["num_generation_tokens"] += len(quiet)
-        self.kv.cache_computed_blocks_of(quiet)
+                num_live += 1
+                req.num_computed_tokens += 1  # first_token_time: set when the step it continues was collected
+                tracked = tracked_of[req.request_id]
+                all_ids = req.all_token_ids
+                if tracked.deferred is not None and token not in tracked.ends_on and len(all_ids) + 1 < tracked.end_at:
+                    all_ids.append(token)
+                    tracked.deferred.append(token)
+                    quiet.append(req)
+                else:
+                    # The quiet requests before this one first, in step order: a block they filled is registered
+                    # before one this request fills with the same tokens, as _process for each in turn would.
+                    done = self._quiet_done(quiet, done)
+                    out = self._process_guarded(req, (token,), None, now)
+                    if out is not None:
+                        outputs.append(out)
+                    if req.status.finished:
+                        continue
+                if drafting is not None and req.sampling_params.max_speculative_tokens != 0:
+                    drafting.append(req)
+        finally:  # a fault that propagates still counts the tokens appended
+            self._quiet_done(quiet, done)
         return num_live
+
+    def _quiet_done(self, quiet: list[Request], done: int) -> int:
+        """Count quiet[done:]'s tokens (one each) and register the blocks they filled; returns len(quiet)."""
+        if len(quiet) > done:
+            self.stats["num_generation_tokens"] += len(quiet) - done
+            self.kv.cache_computed_blocks_of(quiet[done:] if done else quiet)
+        return len(quiet)
 
     def _draft(self, requests: list[Request]) -> None:
         """Propose the drafts each request verifies next step, cut to what it could still emit."""

@@ -631,6 +631,7 @@ def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, 
     planner.regime.observe = lambda n, v, d, tokens, ms: (observed.append(ms), observe(n, v, d, tokens, ms))  # type: ignore[method-assign]
     planner.cost.observe = lambda n, base, ms, speculative: (priced.append(ms), cost_observe(n, base, ms, speculative))  # type: ignore[method-assign]
     ending_steps = [0]  # steps that ended a request and were timed
+    dropped = [0]  # those that reached neither the regime nor the cost model
     name = "continued_step_finished" if async_scheduling else "step_finished"
     finished = getattr(planner, name)
 
@@ -641,12 +642,16 @@ def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, 
         planner.timing.harvest(planner.cost, planner.regime)  # type: ignore[arg-type]
         if timed and ending_ms >= 300:
             ending_steps[0] += 1
-            assert (len(observed), len(priced)) == before, "a step of ending work reached the regime or the cost model"
+            # NOTE: dropped, unless the rest of the step was a fifth of it or more (ENDING_MIN_SHARE: 75 ms here, which
+            # a stalled CI host reached once); kept, it is without its ending work.
+            dropped[0] += (len(observed), len(priced)) == before
+            new = observed[before[0] :] + priced[before[1] :]
+            assert all(ms < 150 for ms in new), f"a step's ending work reached the regime or the cost model: {new}"
 
     setattr(planner, name, spy)
     prompts = _prompts(5, [6, 9, 4])
     # they end at different steps, each while the others decode on (in a pipelined run when async)
     params = [SamplingParams(temperature=0.0, max_tokens=20 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
     llm.generate(prompts, params)
-    assert ending_steps[0] >= 2 and len(observed) >= 20
+    assert ending_steps[0] >= 2 and dropped[0] >= 1 and len(observed) >= 20
     assert max(observed) < 150 and max(priced) < 150, (max(observed), max(priced))

@@ -152,3 +152,52 @@ def test_the_decode_stream_gives_the_offsets_text_on_random_tokens(tok: Any) -> 
             num_streamed += d._stream is not None
             num_fallback += d._stream is None
     assert num_streamed > 400 and num_fallback >= 120  # both ran; every prompt ending in half an emoji fell back
+
+
+def _byte_fallback_tokenizer() -> tuple[Any, dict[str, int]]:
+    """A SentencePiece-style (Llama 2) tokenizer: BPE with byte fallback, a Replace / ByteFallback / Fuse / Strip
+    decoder, no merges."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "▁Hello", "▁world", "a", "▁a", "日"]:
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False, **special)
+    return tok, vocab
+
+
+def test_a_byte_fallback_decoder_keeps_the_offsets_and_a_raising_stream_falls_back() -> None:
+    """Under a ByteFallback decoder a byte run that is not UTF-8 turns bytes already shown ("\\n" here) into U+FFFD, and
+    DecodeStream raises "Invalid prefix" where the offsets go on: such a tokenizer never gets the stream. Forced onto
+    one, the raise hands over to the offsets, which give the offsets' text from there (not a failed request)."""
+    tok, vocab = _byte_fallback_tokenizer()
+    prompt = [vocab["<s>"], vocab["▁Hello"]]
+    ids = [vocab["<0x0A>"], vocab["<0xE6>"], vocab["<0x97>"], vocab["▁world"]]
+    ref = _offsets_only(tok, prompt, True)
+    want = [ref.add([t]) for t in ids]
+    assert want[-1].endswith(" world")
+    d = IncrementalDetokenizer(tok, prompt)
+    got = [d.add([ids[0]])]
+    assert d._stream is None  # never made for this decoder
+    assert got + [d.add([t]) for t in ids[1:]] == want
+    forced = IncrementalDetokenizer(tok, prompt)
+    forced._use_offsets = False
+    got = [forced.add([ids[0]])]
+    assert forced._stream is not None  # the stream ran the first token
+    got += [forced.add([t]) for t in ids[1:]]
+    assert got == want and forced._stream is None  # it raised, and the offsets took over
+    rng = random.Random(1)
+    for _ in range(300):  # random ids, a stream forced on: always the offsets' text, raising or not
+        prompt = [rng.randrange(len(vocab)) for _ in range(rng.randint(0, 6))]
+        ids = [rng.randrange(len(vocab)) for _ in range(rng.randint(1, 20))]
+        forced = IncrementalDetokenizer(tok, prompt)
+        forced._use_offsets = False
+        ref = _offsets_only(tok, prompt, True)
+        assert [forced.add([t]) for t in ids] == [ref.add([t]) for t in ids], (prompt, ids)

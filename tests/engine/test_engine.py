@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,17 +155,20 @@ def test_huge_numbers_are_config_errors() -> None:
         SamplingParams(temperature=10**400)
 
 
-def test_output_kinds_carry_the_same_result(llm: LLM) -> None:
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 2, "stop": ["@@@"]}], ids=["plain", "logprobs-stop"])
+def test_output_kinds_carry_the_same_result(tiny_model_dirs: dict[str, Path], extra: dict[str, Any]) -> None:
     """vLLM's output kinds. "final_only": no per-step outputs, and the one final output is exactly what the per-step
-    ("cumulative") outputs end with, though its text is detokenised once at the end, not per token. "delta": the same
-    outputs as "cumulative", each with only what it adds (text, token ids, logprobs), which concatenate to the
-    cumulative result; a stop string's possible beginning is held back from both alike."""
+    ("cumulative") outputs end with, though its text is detokenised once at the end, not per token (plain requests:
+    their steps pipelined, tokens appended without the rest of output processing). "delta": the same outputs as
+    "cumulative", each with only what it adds (text, token ids, logprobs), which concatenate to the cumulative result;
+    a stop string's possible beginning is held back from both alike."""
+    llm = LLM(
+        model=str(tiny_model_dirs["llama"]), dtype="float32", max_model_len=128, num_kv_blocks=64, async_scheduling=True
+    )
     engine = llm.engine
     results = {}
     for kind in ("cumulative", "delta", "final_only"):
-        params = SamplingParams(
-            temperature=0.8, seed=5, max_tokens=48, ignore_eos=True, logprobs=2, stop=["@@@"], output_kind=kind
-        )
+        params = SamplingParams(temperature=0.8, seed=5, max_tokens=48, ignore_eos=True, output_kind=kind, **extra)
         rids = [engine.add_request(p, params) for p in (PROMPT, PROMPT[:10])]
         seen: list[RequestOutput] = []
         while engine.has_unfinished_requests():
@@ -178,12 +182,12 @@ def test_output_kinds_carry_the_same_result(llm: LLM) -> None:
         if kind == "delta":
             for outs in mine:
                 assert all(o.outputs[0].token_ids == o.new_token_ids and o.outputs[0].text == o.new_text for o in outs)
-                assert all(len(o.outputs[0].logprobs) == len(o.new_token_ids) for o in outs)
+                assert all(len(o.outputs[0].logprobs or o.new_token_ids) == len(o.new_token_ids) for o in outs)
             results[kind] = [
                 (
                     "".join(o.outputs[0].text for o in outs),
                     [t for o in outs for t in o.outputs[0].token_ids],
-                    [e for o in outs for e in o.outputs[0].logprobs],
+                    [e for o in outs for e in o.outputs[0].logprobs] if "logprobs" in extra else None,
                     outs[-1].outputs[0].cumulative_logprob,
                     [(o.new_text, o.new_token_ids) for o in outs],
                 )
@@ -202,6 +206,8 @@ def test_output_kinds_carry_the_same_result(llm: LLM) -> None:
         ]
     assert [r[:4] for r in results["final_only"]] == [r[:4] for r in results["cumulative"]]
     assert results["delta"] == results["cumulative"]  # the same outputs, the same steps
+    # plain requests pipeline their steps; logprobs are read on the host, so those steps do not
+    assert (engine.stats["num_pipelined_steps"] > 0) == (extra == {})
     with pytest.raises(ConfigError, match="output_kind"):
         SamplingParams(output_kind="deltas")
 
