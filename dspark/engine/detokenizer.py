@@ -31,12 +31,12 @@ class IncrementalDetokenizer:
             backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
         )
         # add() through the Rust tokenizer's own DecodeStream (the same windows, one call per token instead of two
-        # decodes and their slicing: 1.0 against 2.5 us a token with the SmolLM2 tokenizer on the 2-vCPU machine, where
-        # a streamed step at C = 1024 spent ~40% of its host time detokenising). Made at the first add(): a request
-        # whose text is deferred only ever calls add_all(). NOTE: byte-level decoders only (GPT-2 style: SmolLM2,
-        # Llama 3, Qwen). Under a ByteFallback decoder (SentencePiece style: Llama 2) a byte run that is not UTF-8
-        # turns bytes already shown into U+FFFD, and the stream raises "Invalid prefix" where the offsets go on (a
-        # review found it in 811 of 8000 random sequences of a Llama-2-style tokenizer).
+        # decodes and their slicing: 1.0 against 2.5 us a token with the SmolLM2 tokenizer on the 2-vCPU machine, in a
+        # micro-benchmark). Made at the first add(): a request whose text is deferred only ever calls add_all().
+        # NOTE: byte-level decoders only (GPT-2 style: SmolLM2, Llama 3, Qwen). Under a ByteFallback decoder
+        # (SentencePiece style: Llama 2) a byte run that is not UTF-8 turns bytes already shown into U+FFFD, and the
+        # stream raises "Invalid prefix" where the offsets go on (a review found it in 811 of 8000 random sequences
+        # of a Llama-2-style tokenizer).
         self._stream: Any = None
         self._use_offsets = self._fast is None or DecodeStream is None or not isinstance(self._fast.decoder, ByteLevel)
 

@@ -832,8 +832,9 @@ class LLMEngine:
         tracked.num_sent_chars, tracked.num_sent_tokens = visible, num_sent + len(new_ids)
         logprobs = req.logprobs if req.sampling_params.logprobs is not None else None
         if req.sampling_params.output_kind == "delta":
-            # NOTE: what this output adds, not all so far: a streamed step at C = 1024 spent ~20% of its host time
-            # copying each request's whole output (the ids, the logprobs) into an output (host_step.py, cumulative).
+            # NOTE: what this output adds, not all so far (no copy of the request's whole ids and logprobs): a
+            # streamed step at C = 1024 took 10.1-12.1 ms of host work so, 16.5-16.9 ms cumulative (host_step.py,
+            # 2-vCPU machine).
             text, output_ids = new_text, new_ids
             logprobs = logprobs[num_sent:] if logprobs is not None else None
         else:
