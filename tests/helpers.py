@@ -190,3 +190,11 @@ def run_interpreted(run: Any, names: list[str]) -> dict[str, str]:
     patch_triton_interpreter()
     torch.set_num_threads(1)
     return case_verdicts(run, names)
+
+
+def hold_drafting(engine: Any) -> None:
+    """Every step of this LLMEngine drafts: adaptive verification still picks each step's budget, but the regime no
+    longer follows measured step times, which for a tiny model on a loaded CI machine are noise and may keep every
+    step plain (a CI run's n-gram server drafted nothing). For tests whose subject is speculation's output."""
+    assert engine.planner is not None, "adaptive verification is off: there is no regime to hold"
+    engine.planner.regime.held = True

@@ -19,6 +19,7 @@ import pytest
 from server_harness import MODEL_NAME, live_server, make_engine, metric, scrape
 
 from dspark.engine.engine import LLMEngine
+from helpers import hold_drafting
 
 PROMPT = "one two three four five one two three four five one two three"
 CHAT = [{"role": "user", "content": "Count: one two three four one two three four"}]
@@ -38,13 +39,9 @@ def servers(tiny_llama: Path, tiny_drafter: Path) -> Iterator[dict[str, tuple[st
         "dspark": {"method": "dspark", "model": str(tiny_drafter), "enable_adaptive_verification": True},
     }
     engines = {kind: make_engine(tiny_llama, spec) for kind, spec in specs.items()}
-    # NOTE: held to drafting, so that speculation runs whatever the regime would measure: left to its measured rates,
-    # the n-gram engine kept all of one CI run's tokens plain (the regime follows step times, noise at this size on a
-    # loaded 2-core machine). Adaptive verification still picks each step's budget.
+    # NOTE: held to drafting (the regime left to its measured rates kept all of one CI run's n-gram tokens plain)
     for kind in ("ngram", "dspark"):
-        planner = engines[kind].planner
-        assert planner is not None
-        planner.regime.held = True
+        hold_drafting(engines[kind])
     with live_server(engines["plain"]) as a, live_server(engines["ngram"]) as b, live_server(engines["dspark"]) as c:
         yield {"plain": (a, engines["plain"]), "ngram": (b, engines["ngram"]), "dspark": (c, engines["dspark"])}
 

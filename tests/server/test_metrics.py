@@ -17,6 +17,7 @@ import pytest
 from server_harness import MODEL_NAME, drained, live_server, make_engine, metric, scrape, wait_for
 
 from dspark.engine.engine import LLMEngine
+from helpers import hold_drafting
 
 PROMPT = "one two three four five one two three four five one two three"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "enable_adaptive_verification": True}
@@ -52,8 +53,7 @@ def server(tiny_llama: Path) -> Iterator[tuple[str, LLMEngine]]:
     engine = make_engine(tiny_llama, SPEC)
     # NOTE: the series must move, whatever the regime measures: held to drafting. Left to its measured rates, the
     # tiny model on a loaded 2-core machine kept all 24 tokens plain in one CI run (and in 1 of 3 local runs after it).
-    assert engine.planner is not None
-    engine.planner.regime.held = True
+    hold_drafting(engine)
     with live_server(engine) as url:
         yield url, engine
 

@@ -22,7 +22,7 @@ from dspark.outputs import RequestOutput
 from dspark.spec.cost_model import CostModel
 from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
 from dspark.spec.dspark.config import DSparkConfig
-from helpers import FAMILIES
+from helpers import FAMILIES, hold_drafting
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +51,6 @@ def _tokens(outs: list[RequestOutput]) -> list[list[int]]:
 def _llm(model: str, spec: dict[str, Any] | None, **kw: Any) -> LLM:
     kw = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 256, **kw}
     return LLM(model=model, speculative_config=spec, **kw)
-
-
-def _hold_drafting(llm: LLM) -> None:
-    """Every step drafts: adaptive verification still picks the budgets, but the regime no longer follows measured step
-    times, which for a tiny model on a loaded CI machine are noise and may keep every step plain."""
-    planner = llm.engine.planner
-    assert planner is not None
-    planner.regime.held = True
 
 
 def _greedy_params(n: int) -> list[SamplingParams]:
@@ -92,7 +84,7 @@ def test_greedy_output_is_unchanged_by_speculation(
         cost = _STEEP if k % 2 else None
         llm = _llm(model, spec, max_num_batched_tokens=48, cost_model=cost)  # chunked prefill mixed with verification
         if mode != "fixed":  # drafting, whatever the regime would measure (noise at this size): the budgets are tested
-            _hold_drafting(llm)
+            hold_drafting(llm.engine)
         assert _tokens(llm.generate(prompts, params)) == reference, f"k={k} mode={mode}"
         m = llm.get_metrics()
         total_drafts += m["spec_decode_num_draft_tokens"]
@@ -275,7 +267,7 @@ def test_per_request_cap_on_drafts(tiny_model_dirs: dict[str, Path], drafters: d
     flat = CostModel.from_points({1: 1.0, 4096: 1.0}, {1: 0.0, 4096: 0.0})
     llm = _llm(str(tiny_model_dirs["llama"]), spec, cost_model=flat)
     if adaptive:
-        _hold_drafting(llm)
+        hold_drafting(llm.engine)
     prompt = ([5, 6, 7, 8, 9, 10] * 8)[:45]
     caps = [None, 2, 0]
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, max_speculative_tokens=c) for c in caps]
