@@ -26,11 +26,11 @@ import time
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.spec import planner as planner_module
-from dspark.spec.regime import Verdict
-from dspark.spec.scheduling import drafting_verdict
+from dspark.speculative import planner as planner_module
+from dspark.speculative.regime import Verdict
+from dspark.speculative.budget import drafting_verdict
 from dspark.worker import model_runner as mr
-from dspark.worker.sampler import uniforms
+from dspark.sample.sampler import uniforms
 
 
 def host_ms(

@@ -17,10 +17,10 @@ import time
 import torch
 
 from dspark.config import SamplingParams
-from dspark.engine.request import Request
-from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
-from dspark.spec.cost_model import CostModel
-from dspark.spec.planner import VerificationPlanner
+from dspark.core.request import Request
+from dspark.core.scheduler import ScheduledRequest, SchedulerOutput
+from dspark.speculative.cost_model import CostModel
+from dspark.speculative.planner import VerificationPlanner
 
 K = 7
 

@@ -410,7 +410,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import tempfile
 
     from dspark.bench.profile import markdown_table, plot
-    from dspark.engine.engine import LLMEngine
+    from dspark.engine.llm_engine import LLMEngine
     from dspark.worker.profiler import cost_model_path
 
     output, plot_path = output_path(args.output_json), output_path(args.output_plot, "output_plot")

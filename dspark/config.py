@@ -231,7 +231,7 @@ class EngineConfig:
     # n-gram's strict verification) a seeded request gives the same tokens in any batch. Sampled DSpark drafts are not
     # batch-invariant (the drafter's kernels are the default ones), so rejection sampling's outputs are equal in
     # distribution only. CUDA: every GEMM through one fixed-tile Triton kernel and attention without key splits (slower
-    # steps); CPU: always so (row padding, worker/numerics.py). vLLM's VLLM_BATCH_INVARIANT, SGLang's
+    # steps); CPU: always so (row padding, utils/numerics.py). vLLM's VLLM_BATCH_INVARIANT, SGLang's
     # --enable-deterministic-inference.
     batch_invariant: bool = False
     seed: int = 0

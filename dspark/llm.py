@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from dspark.config import EngineConfig, SamplingParams
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.errors import ConfigError
 from dspark.outputs import RequestOutput
-from dspark.spec.cost_model import CostModel
+from dspark.speculative.cost_model import CostModel
 
 Message = dict[str, str]
 
@@ -32,7 +32,7 @@ class LLM:
         **kwargs: Any,
     ) -> None:
         """Arguments as vLLM's LLM (the rest go to EngineConfig). cost_model: the step-cost curves adaptive verification
-        plans with (spec/cost_model.py); None: profiled at start-up, or loaded from the cache."""
+        plans with (speculative/cost_model.py); None: profiled at start-up, or loaded from the cache."""
         config = EngineConfig(
             model=model,
             tokenizer=tokenizer,

@@ -26,7 +26,7 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    from dspark.tokenizer import load_tokenizer
+    from dspark.models.tokenizer import load_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer")
     load_tokenizer(smollm2_path).save_pretrained(out)

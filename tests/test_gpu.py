@@ -11,9 +11,9 @@ from dspark import LLM, SamplingParams
 from dspark.bench.throughput import build_hf_model
 from dspark.models.loader import load_config
 from dspark.models.registry import resolve_model
-from dspark.spec.cost_model import CostModel
-from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
-from dspark.spec.dspark.config import DSparkConfig
+from dspark.speculative.cost_model import CostModel
+from dspark.speculative.drafters.dspark.checkpoint import random_drafter, save_drafter
+from dspark.speculative.drafters.dspark.config import DSparkConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,8 +80,9 @@ def test_triton_allocate_equals_the_torch_twin() -> None:
     from 0 past the number of valid slots; and at R = 1024, K = 7 its time is reported (-s)."""
     import time
 
-    from dspark.spec.kernels import allocate_triton, triton_available
-    from dspark.spec.scheduling import allocate_torch, slot_caps, survival
+    from dspark.speculative.allocate_kernel import allocate_triton
+    from dspark.speculative.budget import allocate_torch, slot_caps, survival
+    from dspark.utils.platform import triton_available
 
     assert triton_available()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -115,7 +116,7 @@ def test_triton_allocate_equals_the_torch_twin() -> None:
 def test_cuda_sampling_draws_what_a_one_row_draw_gives() -> None:
     """On CUDA, Sampler.sample draws every row in one batched pass; verification draws one row at a time with
     inverse_cdf. Both must give the same token for the same row and uniform (strict verification relies on it)."""
-    from dspark.worker.sampler import Sampler, SamplingRow, inverse_cdf, uniform
+    from dspark.sample.sampler import Sampler, SamplingRow, inverse_cdf, uniform
 
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(96, 49152, generator=g) * 4, dim=-1).cuda()
@@ -139,8 +140,8 @@ def test_cuda_verify_plain_gives_verifys_tokens() -> None:
     CUDA scans with another kernel unless padded); one sampled request among greedy ones."""
     import random
 
-    from dspark.spec.verify import VerifyRow, verify, verify_plain
-    from dspark.worker.sampler import Sampler, SamplingRow
+    from dspark.sample.rejection import VerifyRow, verify, verify_plain
+    from dspark.sample.sampler import Sampler, SamplingRow
 
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
 
@@ -176,7 +177,7 @@ def test_cuda_uniforms_on_the_device_have_the_hosts_bits() -> None:
     """uniforms_t() on CUDA tensors is uniforms() bit for bit (int64 products wrap there as on the CPU)."""
     import random
 
-    from dspark.worker.sampler import uniforms, uniforms_t
+    from dspark.sample.sampler import uniforms, uniforms_t
 
     rng = random.Random(2)
     seeds = [0, 1, 2**63 - 1, -1, -(2**63)] + [rng.getrandbits(64) - 2**63 for _ in range(4000)]
@@ -305,8 +306,8 @@ def test_cuda_async_scheduling_gives_the_synchronous_tokens(spec: str, tmp_path:
 def test_fused_context_write_equals_the_unfused_one() -> None:
     """The drafter's context keys and values from the merged GEMM (with k_norm and RoPE in one kernel) are those of
     the per-layer projections, slot for slot; padding rows (slot -1) write nothing."""
+    from dspark.attention.base import KVCache
     from dspark.models.config import ModelConfig
-    from dspark.worker.attention.base import KVCache
 
     target = ModelConfig(
         family="llama", vocab_size=512, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,

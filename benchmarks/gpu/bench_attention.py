@@ -28,9 +28,9 @@ import torch
 import triton
 from tqdm import tqdm
 
-from dspark.worker.attention.base import AttentionMetadata, KVCache
-from dspark.worker.attention.torch_ref import TorchAttention
-from dspark.worker.attention.triton_backend import TritonAttention
+from dspark.attention.base import AttentionMetadata, KVCache
+from dspark.attention.torch_ref import TorchAttention
+from dspark.attention.triton_backend import TritonAttention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 DTYPE = torch.bfloat16

@@ -135,7 +135,7 @@ elif [ "$PHASE" = prefill ]; then
 elif [ "$PHASE" = verify ]; then
   # Session 7: the GPU tests on GPU 0; on the last GPU a fresh engine's first row at T = 1 (session 6's t1-check:
   # no-spec and adaptive at C = 64 and 256 after a 4-token warm-up, 3 rounds), which counts the steps that drafted.
-  (on 0 420 python -m pytest -q -m gpu tests/test_batch_invariant_mode.py tests/test_gpu.py \
+  (on 0 420 python -m pytest -q -m gpu tests/engine/test_batch_invariant_mode.py tests/test_gpu.py \
     tests/models/test_fused_ops.py 2>&1 | quiet | tail -30 > "$OUT/gpu-tests.log") &
   (on "$LAST" "${T1CHECK_S:-300}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" \
     --arm no-spec --arm adaptive --concurrency 64 256 --temperature 1 --repeats 3 --output-len 256 --waves 1 \

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.spec import planner as planner_module
-from dspark.spec.drafter import Proposal
+from dspark.speculative import planner as planner_module
+from dspark.speculative.drafters.base import Proposal
 
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "no-spec": None,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.spec.cost_model import CostModel
+from dspark.speculative.cost_model import CostModel
 
 
 def markdown_table(cost: CostModel) -> str:

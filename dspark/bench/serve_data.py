@@ -104,7 +104,7 @@ def load_client_tokenizer(tokenizer: str | None, model: str) -> tuple[Any | None
     cache (a client should not download a model unasked); (None, None) when the model is only a name the server
     knows."""
     from dspark.models.registry import ALIASES, cache_dir, resolve_model
-    from dspark.tokenizer import load_tokenizer
+    from dspark.models.tokenizer import load_tokenizer
 
     name = tokenizer or model
     alias = ALIASES.get(model.lower())

@@ -31,8 +31,7 @@ from tqdm import tqdm
 
 from dspark.cli import output_path
 from dspark.errors import ConfigError, DSparkError
-from dspark.spec.cost_model import CostModel
-from dspark.spec.scheduling import (
+from dspark.speculative.budget import (
     allocate,
     choose_budget,
     choose_budget_sync,
@@ -40,6 +39,7 @@ from dspark.spec.scheduling import (
     smooth_confidences,
     survival,
 )
+from dspark.speculative.cost_model import CostModel
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 EMA_ALPHAS = (0.0, 0.5, 0.8, 0.9)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from dspark.bench.throughput import drain, load_prompts, machine_info, tokenize
 from dspark.config import EngineConfig, SamplingParams
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.errors import ConfigError
 from dspark.llm import LLM
 

@@ -45,7 +45,7 @@ from dspark.bench.prompts import BUILTIN_PROMPTS
 from dspark.bench.throughput import build_hf_model, drain, machine_info, read_jsonl_prompts, tokenize
 from dspark.cli import add_engine_args, engine_config, output_path, write_json
 from dspark.config import MAX_SPECULATIVE_TOKENS, EngineConfig, SamplingParams, SpeculativeConfig
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.errors import ConfigError
 from dspark.llm import LLM
 from dspark.outputs import RequestOutput
@@ -185,7 +185,7 @@ class Round:
     tpot_s: list[float]  # requests with more than one output token
     e2el_s: list[float]
     counters: dict[str, float]  # COUNTERS' deltas over the round, the planner's budget sum and step count; {} for hf
-    # adaptive: the regime's measured tokens/ms per load level at the round's end (spec/regime.py), for diagnosis
+    # adaptive: the regime's measured tokens/ms per load level at the round's end (speculative/regime.py), for diagnosis
     regime_rates: dict[int, dict[str, float]] | None = None
     # adaptive: per load level, the round's steps that drafted ("spec") and that did not ("plain")
     regime_steps: dict[int, dict[str, int]] | None = None

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from dspark.bench.prompts import BUILTIN_PROMPTS
 from dspark.config import EngineConfig, SamplingParams
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.errors import ConfigError
 from dspark.evals.data import numbered_jsonl_records
 from dspark.llm import LLM

@@ -10,7 +10,7 @@ tensor and 4 per SiLU. Here each is one kernel:
 
 Dtype semantics are the torch code's, rounding to the input dtype at the same points (so fp32 agrees to reduction
 order and bf16 within one rounding), not its bits. Every kernel works row by row with a reduction order fixed by
-the row length, so a row's result does not depend on the batch around it (worker/numerics.py). The launchers are
+the row length, so a row's result does not depend on the batch around it (utils/numerics.py). The launchers are
 graph-safe: grids and outputs follow from shapes only, no host reads.
 """
 
@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dspark.spec.kernels import triton_available
+from dspark.utils.platform import triton_available
 
 _forced: bool | None = None
 

@@ -123,7 +123,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> torch.Tensor:
     """F.linear, or the batch-invariant GEMM where asked for, on CUDA and for inference (CPU matmuls are made
-    invariant by row padding instead: worker/numerics.py; the kernel has no backward, so training through the
+    invariant by row padding instead: utils/numerics.py; the kernel has no backward, so training through the
     target, as drafter training does, takes F.linear)."""
     if invariant and x.is_cuda and not torch.is_grad_enabled():
         return invariant_linear(x, weight, bias)

@@ -16,10 +16,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dspark.attention.base import AttentionContext
 from dspark.models import fused_ops
 from dspark.models.config import ModelConfig
 from dspark.models.invariant_gemm import linear
-from dspark.worker.attention.base import AttentionContext
 
 
 class RMSNorm(nn.Module):
@@ -168,7 +168,7 @@ class MLP(nn.Module):
             return linear(h, self.down_proj.weight, None, self.invariant)
         gate = self.gate_proj(x)
         # NOTE: not F.silu: with 5+ threads torch splits its vectorised loop mid-row and a row's bits then depend on
-        # the batch size; exp and division stay element-wise exact (tests/worker/test_numerics.py).
+        # the batch size; exp and division stay element-wise exact (tests/utils/test_numerics.py).
         return self.down_proj(gate / (1 + torch.exp(-gate)) * self.up_proj(x))
 
 

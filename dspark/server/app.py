@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from dspark import __version__
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.errors import ConfigError
 from dspark.server.async_engine import AsyncEngine
 from dspark.server.chat import create_chat_completion

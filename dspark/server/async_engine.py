@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dspark.config import SamplingParams
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.errors import DSparkError
 from dspark.outputs import RequestOutput
 

@@ -83,7 +83,7 @@ def served_model_names(model: str, names: list[str] | None) -> list[str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from dspark.engine.engine import LLMEngine
+    from dspark.engine.llm_engine import LLMEngine
     from dspark.server.app import build_app
 
     if args.model_tag is not None:

@@ -3,7 +3,7 @@ the top N) in OpenAI's two response shapes."""
 
 from __future__ import annotations
 
-from dspark.engine.request import Logprob
+from dspark.outputs import Logprob
 from dspark.server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 
 

@@ -1,7 +1,7 @@
 """/metrics: Prometheus text under vLLM's names with the `dspark:` prefix (DESIGN.md section 7).
 
 Two sources. The engine's own counters and gauges (requests running and waiting, KV-cache usage, tokens, the
-spec-decode counters and the adaptive-verification metrics of spec/planner.py) are read at scrape time from the
+spec-decode counters and the adaptive-verification metrics of speculative/planner.py) are read at scrape time from the
 snapshot the engine thread takes after every step, by a custom collector: nothing here ever touches the engine.
 Per-request histograms (TTFT, end-to-end latency, time per output token) and the finished-request counter are observed
 by the handlers when a request ends. Each server has its own CollectorRegistry, so a process can hold several apps

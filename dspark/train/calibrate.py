@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from dspark.speculative.calibration import NUM_BINS
+
 DEFAULT_GRID = torch.logspace(-1.0, 1.0, 81, dtype=torch.float64)  # T in [0.1, 10]
 DEFAULT_BIAS_GRID = torch.arange(-60, 61, dtype=torch.float64) / 10  # b in [-6, 6], steps of 0.1 (0 exactly)
 ECE_TOLERANCE = 0.002
-NUM_BINS = 20
 
 
 def expected_calibration_error(predicted: torch.Tensor, outcome: torch.Tensor, num_bins: int = NUM_BINS) -> float:

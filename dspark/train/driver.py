@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from dspark.errors import ConfigError
 from dspark.llm import LLM
-from dspark.spec.dspark.checkpoint import load_drafter, random_drafter, save_drafter
-from dspark.spec.dspark.config import DSparkConfig
+from dspark.speculative.drafters.dspark.checkpoint import load_drafter, random_drafter, save_drafter
+from dspark.speculative.drafters.dspark.config import DSparkConfig
 from dspark.train.data import Sequence, load_sequences, prompt_pool, regenerate, save_sequences
 from dspark.train.trainer import batch_loss, make_optimizer, optimiser_step, pad_batch
 

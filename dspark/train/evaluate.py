@@ -1,7 +1,8 @@
 """Evaluate a DSpark drafter: acceptance length tau at fixed k, per-position acceptance, survival calibration.
 
 One engine runs every (dataset, temperature) row with k = the drafter's block size and adaptive verification off, and
-records a trace (spec/trace.py). tau = 1 + accepted / drafts over a row's requests, vLLM's mean acceptance length.
+records a trace (speculative/trace.py).
+tau = 1 + accepted / drafts over a row's requests, vLLM's mean acceptance length.
 The per-position rates and the calibration metrics use only the blocks whose K drafts were all verified (the rest
 were cut short by max_tokens), so survival to every position is observed.
 
@@ -25,7 +26,7 @@ from dspark.bench.simulate import Trace, load_trace
 from dspark.config import SamplingParams
 from dspark.errors import ConfigError
 from dspark.llm import LLM
-from dspark.spec.dspark.config import DSparkConfig
+from dspark.speculative.drafters.dspark.config import DSparkConfig
 from dspark.train.calibrate import (
     NUM_BINS,
     calibrated_survival,

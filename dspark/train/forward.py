@@ -1,11 +1,11 @@
 """The DSpark drafter's training forward: many blocks of N target-generated sequences in one dense pass.
 
-Inference drafts one block per request over a paged context cache (spec/dspark/proposer.py); training packs B blocks
-per sequence, anchored at different positions, into one pass with an explicit mask (train/anchors.py): each block
-attends to its own sequence's context features strictly before its anchor and bidirectionally to itself, exactly
-what the paged path computes for a block at that anchor (tests/spec/test_dspark_drafter.py checks both against one
-dense reference). Sequences are right-padded to one length S; padding is never attended (it follows every real
-position of its row, and anchors lie before it).
+Inference drafts one block per request over a paged context cache (speculative/drafters/dspark/drafter.py); training
+packs B blocks per sequence, anchored at different positions, into one pass with an explicit mask (train/anchors.py):
+each block attends to its own sequence's context features strictly before its anchor and bidirectionally to itself,
+exactly what the paged path computes for a block at that anchor (tests/speculative/drafters/test_dspark_drafter.py
+checks both against one dense reference). Sequences are right-padded to one length S; padding is never attended (it
+follows every real position of its row, and anchors lie before it).
 
 The target is frozen and run online, once per batch, for both what the drafter reads (its tapped layers) and what
 it learns from (its logits at the block positions): no feature cache. It runs with plain causal attention over the
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dspark.attention.base import AttentionContext, AttentionMetadata, KVCache
 from dspark.models.llama import CausalLM, apply_rotary
-from dspark.spec.dspark.model import DSparkModel
+from dspark.speculative.drafters.dspark.model import DSparkModel
 from dspark.train.anchors import block_attention_mask
-from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache
 
 
 class DenseCausalAttention:

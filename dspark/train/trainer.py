@@ -13,7 +13,7 @@ import math
 import torch
 
 from dspark.models.llama import CausalLM
-from dspark.spec.dspark.model import DSparkModel
+from dspark.speculative.drafters.dspark.model import DSparkModel
 from dspark.train.anchors import sample_blocks
 from dspark.train.forward import block_states, draft_outputs, target_pass
 from dspark.train.losses import Losses, dspark_losses

@@ -11,7 +11,7 @@ r <= R requests and no query longer than q replays the smallest graph that fits:
   keeps every captured request slot non-empty instead; the Triton kernel treats an empty slot as no work, which
   needs no fake tokens.)
 - the attention metadata's host-side maxima are upper bounds fixed at capture (q, max_model_len), which is what the
-  Triton backend is allowed to read (worker/attention/triton_backend.py);
+  Triton backend is allowed to read (attention/triton_backend.py);
 - logits are computed for all T rows inside the graph into a static buffer; the sampler picks its rows from it.
 
 Steps with a prefill chunk longer than q run eagerly. Graphs share one memory pool and are captured largest first;
@@ -27,18 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dspark.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache
 from dspark.models.llama import CausalLM
-from dspark.worker.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache
-
-
-def capture_sizes(max_tokens: int) -> list[int]:
-    """Padded token counts: fine where a step is cheap, then about 8 sizes per doubling (at most ~25% padding), so an
-    engine captures a few dozen graphs per query length, not hundreds."""
-    sizes = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256]
-    while sizes[-1] < 8192:
-        step = sizes[-1] // 4
-        sizes += [sizes[-1] + step * i for i in range(1, 5)]
-    return [s for s in sizes if s < max_tokens] + [max_tokens]
+from dspark.utils.capture import capture_sizes
 
 
 class TableRows:

@@ -13,21 +13,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dspark.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache, slots_for
+from dspark.attention.torch_ref import TorchAttention
 from dspark.config import GREEDY_BELOW, EngineConfig
-from dspark.engine.request import Request
-from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
+from dspark.core.request import Request
+from dspark.core.scheduler import ScheduledRequest, SchedulerOutput
 from dspark.errors import ConfigError
 from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM
-from dspark.spec.drafter import Drafter, Proposal
-from dspark.spec.kernels import triton_available
-from dspark.spec.verify import VerifyRow, verify, verify_plain
-from dspark.worker.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache, slots_for
-from dspark.worker.attention.torch_ref import TorchAttention
+from dspark.sample.rejection import VerifyRow, verify, verify_plain
+from dspark.sample.sampler import SampledRow, Sampler, SamplingRow
+from dspark.speculative.drafters.base import Drafter, Proposal
+from dspark.utils.numerics import padded_rows
+from dspark.utils.platform import triton_available
+from dspark.utils.transfer import Download, download, upload, upload_tensor
 from dspark.worker.cuda_graphs import GraphRunner
-from dspark.worker.numerics import padded_rows
-from dspark.worker.sampler import SampledRow, Sampler, SamplingRow
-from dspark.worker.transfer import Download, download, upload, upload_tensor
 
 LogitsOf = Callable[[list[int]], torch.Tensor]  # the step's fp32 logits of these flattened rows (padding allowed)
 
@@ -77,7 +77,7 @@ def make_backend(name: str, device: torch.device, invariant: bool = False) -> At
     if name == "triton" or (name == "auto" and device.type == "cuda" and triton_available()):
         if device.type != "cuda":
             raise ConfigError("attention_backend", name, "triton needs a CUDA device; use auto or torch here")
-        from dspark.worker.attention.triton_backend import TritonAttention
+        from dspark.attention.triton_backend import TritonAttention
 
         return TritonAttention(invariant=invariant)
     return TorchAttention()
@@ -120,7 +120,7 @@ class ModelRunner:
         self.plain_verify = True
         self.graphs: GraphRunner | None = None
         if device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
-            from dspark.worker.attention.triton_backend import TritonAttention
+            from dspark.attention.triton_backend import TritonAttention
 
             self.graphs = GraphRunner(
                 model,

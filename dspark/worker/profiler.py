@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from dspark.config import SamplingParams
-from dspark.engine.request import Request
-from dspark.engine.scheduler import ScheduledRequest, SchedulerOutput
+from dspark.core.request import Request
+from dspark.core.scheduler import ScheduledRequest, SchedulerOutput
 from dspark.models.registry import cache_dir
-from dspark.spec.cost_model import CostModel
+from dspark.speculative.cost_model import CostModel
 from dspark.worker.model_runner import ModelRunner
 
 CONTEXT_TOKENS = 128  # the synthetic context every dummy request has (the curves ignore context length for now)

@@ -187,7 +187,7 @@ def test_prompt_sets(tmp_path: Path) -> None:
 
 
 def test_random_prompts_from_a_tokenizer(tokenizer_dir: Path) -> None:
-    from dspark.tokenizer import load_tokenizer
+    from dspark.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     prompts = sample_prompts("random", 4, tokenizer=tokenizer, random_input_len=64, random_output_len=8, seed=0)

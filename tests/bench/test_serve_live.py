@@ -25,7 +25,7 @@ PROBLEMS = [
 def live_url(tiny_model_dirs: dict[str, Path]) -> Any:
     app_module = pytest.importorskip("dspark.server.app", reason="dspark.server is not there yet")
     from dspark.config import EngineConfig
-    from dspark.engine.engine import LLMEngine
+    from dspark.engine.llm_engine import LLMEngine
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "enable_adaptive_verification": False}
     config = EngineConfig(

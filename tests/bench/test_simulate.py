@@ -30,8 +30,8 @@ from dspark.bench.simulate import (
     simulate_policies,
 )
 from dspark.errors import ConfigError
-from dspark.spec.cost_model import CostModel
-from dspark.spec.scheduling import survival
+from dspark.speculative.budget import survival
+from dspark.speculative.cost_model import CostModel
 
 K = 7
 

@@ -19,9 +19,9 @@ import torch
 
 from dspark import LLM, ConfigError, SamplingParams
 from dspark.config import EngineConfig
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.outputs import RequestOutput
-from dspark.spec.cost_model import CostModel
+from dspark.speculative.cost_model import CostModel
 from helpers import make_hf_model
 
 MAX_MODEL_LEN = 128
@@ -388,8 +388,8 @@ def _alternating_dspark(model: str, tmp_path: Path, **kw: Any) -> LLM:
     """An async engine with a random DSpark drafter whose drafting choice alternates, four plain steps then two
     drafting ones: pipelined runs that the regime ends by drafting."""
     from dspark.models.loader import load_config
-    from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
-    from dspark.spec.dspark.config import DSparkConfig
+    from dspark.speculative.drafters.dspark.checkpoint import random_drafter, save_drafter
+    from dspark.speculative.drafters.dspark.config import DSparkConfig
 
     cfg = DSparkConfig.for_target(load_config(Path(model)), num_layers=1, block_size=4, num_taps=2, markov_rank=8)
     drafter = str(save_drafter(random_drafter(cfg, seed=1), tmp_path / "drafter"))

@@ -26,7 +26,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tok() -> Any:
     from dspark.models.registry import resolve_model
-    from dspark.tokenizer import load_tokenizer
+    from dspark.models.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model("smollm2-135m-instruct"))
 

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from dspark.config import EngineConfig, SamplingParams
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.outputs import RequestOutput
-from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
-from dspark.spec.dspark.config import DSparkConfig
+from dspark.speculative.drafters.dspark.checkpoint import random_drafter, save_drafter
+from dspark.speculative.drafters.dspark.config import DSparkConfig
 
 PROMPTS = {"a": [5, 6, 7, 8, 5, 6, 7], "b": list(range(100, 130)), "c": list(range(300, 340))}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

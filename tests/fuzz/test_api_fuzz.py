@@ -26,14 +26,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dspark.config import EngineConfig
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.server.app import build_app
 from dspark.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,
 )
-from dspark.spec.cost_model import CostModel
+from dspark.speculative.cost_model import CostModel
 
 NAMES = ["tiny", "other-name"]
 VOCAB = 49152

@@ -27,9 +27,9 @@ from fake_openai_server import serve_app
 from dspark.bench.client import Endpoint, RequestResult
 from dspark.bench.load import PROMPTS, LoadSettings, Outcome, check_outcome, problems, run_load
 from dspark.config import EngineConfig
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.server.app import build_app
-from dspark.spec.cost_model import CostModel
+from dspark.speculative.cost_model import CostModel
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "enable_adaptive_verification": True}
 # Verifying costs a twentieth of a step per token, so adaptive verification verifies most drafts but not always all;

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dspark.attention.base import AttentionContext, AttentionMetadata, KVCache
+from dspark.attention.torch_ref import TorchAttention
 from dspark.models import fused_ops
 from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM, RMSNorm, Rotary, apply_rotary
-from dspark.worker.attention.base import AttentionContext, AttentionMetadata, KVCache
-from dspark.worker.attention.torch_ref import TorchAttention
 from helpers import interpreted_verdicts, run_interpreted
 
 REPO = Path(__file__).resolve().parents[2]
@@ -398,7 +398,7 @@ def _decode_graph_setup(
     num_layers: int, num_reqs: int, max_len: int = 1024
 ) -> tuple[list[KVCache], Callable[[int], None], Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
     """A SmolLM2-shaped bf16 model with merged weights, the Triton backend and static decode buffers."""
-    from dspark.worker.attention.triton_backend import TritonAttention
+    from dspark.attention.triton_backend import TritonAttention
 
     dev = torch.device("cuda")
     cfg = make_config("llama", **{**SMOLLM2, "num_layers": num_layers, "max_position_embeddings": max_len})

@@ -19,8 +19,8 @@ import torch
 
 from dspark import LLM, SamplingParams
 from dspark.models.loader import load_config
-from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
-from dspark.spec.dspark.config import DSparkConfig
+from dspark.speculative.drafters.dspark.checkpoint import random_drafter, save_drafter
+from dspark.speculative.drafters.dspark.config import DSparkConfig
 
 
 @pytest.fixture

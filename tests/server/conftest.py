@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
-from dspark.spec.dspark.config import DSparkConfig
+from dspark.speculative.drafters.dspark.checkpoint import random_drafter, save_drafter
+from dspark.speculative.drafters.dspark.config import DSparkConfig
 
 
 @pytest.fixture(scope="session")

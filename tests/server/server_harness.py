@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config import EngineConfig
-from dspark.engine.engine import LLMEngine
-from dspark.spec.cost_model import CostModel
+from dspark.engine.llm_engine import LLMEngine
+from dspark.speculative.cost_model import CostModel
 
 # Verifying costs a twentieth of a step per token: adaptive verification verifies most drafts but not always all,
 # and the tests need no start-up profiling.

@@ -18,7 +18,7 @@ import openai
 import pytest
 from server_harness import MODEL_NAME, live_server, make_engine, metric, scrape
 
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from helpers import hold_drafting
 
 PROMPT = "one two three four five one two three four five one two three"

@@ -15,7 +15,7 @@ import pytest
 from server_harness import MODEL_NAME, drained, live_server, make_engine, metric, scrape, wait_for
 from test_metrics import LONG, _open_request
 
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 
 PROMPTS = [f"one two three four five {i} one two three" for i in range(6)]
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 from server_harness import MODEL_NAME, live_server, make_engine, metric, scrape
 
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 
 KEY = "s3cret-key"
 MAX_BODY = 4096

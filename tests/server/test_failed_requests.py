@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 from server_harness import live_server, make_engine, metric, scrape, wait_for
 
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 
 POISON = "poison"  # the prompt whose requests the engine fails
 

@@ -16,13 +16,13 @@ import openai
 import pytest
 from server_harness import MODEL_NAME, drained, live_server, make_engine, metric, scrape, wait_for
 
-from dspark.engine.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from helpers import hold_drafting
 
 PROMPT = "one two three four five one two three four five one two three"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "enable_adaptive_verification": True}
 
-# Sample names of DESIGN.md section 7 and the issue, and the adaptive-verification metrics of spec/planner.py.
+# Sample names of DESIGN.md section 7 and the issue, and the adaptive-verification metrics of speculative/planner.py.
 SERIES = [
     "dspark:num_requests_running",
     "dspark:num_requests_waiting",

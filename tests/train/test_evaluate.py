@@ -14,8 +14,8 @@ from dspark.bench.simulate import load_trace
 from dspark.bench.throughput import read_jsonl_prompts
 from dspark.cli import main
 from dspark.models.loader import load_config
-from dspark.spec.dspark.checkpoint import random_drafter, save_drafter
-from dspark.spec.dspark.config import DSparkConfig
+from dspark.speculative.drafters.dspark.checkpoint import random_drafter, save_drafter
+from dspark.speculative.drafters.dspark.config import DSparkConfig
 from dspark.train.calibrate import fit_sts, logits_from_confidences, survival_outcomes
 from dspark.train.evaluate import acceptance, auroc, calibration, evaluate_drafter, markdown_table
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from dspark.models.loader import load_model
-from dspark.spec.dspark.checkpoint import random_drafter
-from dspark.spec.dspark.config import DSparkConfig
+from dspark.speculative.drafters.dspark.checkpoint import random_drafter
+from dspark.speculative.drafters.dspark.config import DSparkConfig
 from dspark.train.forward import block_states, target_pass
 from dspark.train.trainer import pad_batch
 from helpers import make_hf_model

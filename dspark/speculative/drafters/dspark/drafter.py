@@ -1,0 +1,179 @@
+"""DSpark as a Drafter: owns the drafter's paged cache and turns requests into drafted blocks.
+
+The cache has one key/value pair per draft layer, shaped like the target's and indexed by the same block tables, so
+a request's drafter context lives at the same slots as its target KV (prefix-cached blocks carry both). Positions
+0..num_computed-1 hold context keys written by extend_context; a block's own keys are written at anchor..anchor+K-1
+while drafting and overwritten by context once those positions are accepted, which the scheduler's lookahead slots
+make room for.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dspark.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache, slots_for
+from dspark.attention.torch_ref import TorchAttention
+from dspark.config import GREEDY_BELOW
+from dspark.core.request import Request
+from dspark.models.llama import CausalLM
+from dspark.speculative.drafters.base import Proposal
+from dspark.speculative.drafters.dspark.markov import DraftRow, draw_inputs, sample_block_with
+from dspark.speculative.drafters.dspark.model import DSparkModel
+from dspark.utils.numerics import padded_rows
+from dspark.utils.transfer import Download, upload, upload_tensor
+
+if TYPE_CHECKING:
+    from dspark.speculative.drafters.dspark.graphs import DraftGraphs
+
+
+class DSparkDrafter:
+    method = "dspark"
+
+    def __init__(
+        self,
+        model: DSparkModel,
+        target: CausalLM,
+        num_tokens: int,
+        sample: bool,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend: AttentionBackend | None = None,  # None: the torch reference
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.target = target
+        self.max_num_tokens = num_tokens
+        self.num_lookahead_tokens = cfg.block_size
+        self.tap_layers = cfg.target_layer_ids
+        self.sample = sample
+        self.block_size = block_size
+        self.device = device
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [
+            KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+        self.backend = backend if backend is not None else TorchAttention()
+        temps = cfg.sts_temperatures or (1.0,) * cfg.block_size
+        self.inv_temperature = 1.0 / torch.tensor(temps[:num_tokens], dtype=torch.float32, device=device)
+        biases = cfg.sts_biases or (0.0,) * cfg.block_size
+        self.bias = torch.tensor(biases[:num_tokens], dtype=torch.float32, device=device)
+        self.graphs: DraftGraphs | None = None
+
+    @torch.inference_mode()
+    def extend_context(self, taps: torch.Tensor | None, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        assert taps is not None, "the target must return the tapped layers this drafter reads"
+        n = taps.shape[0]
+        if n == 0:
+            return
+        pad = padded_rows(n) - n  # batch-invariant matmuls (utils/numerics.py); padding rows are dropped
+        taps = torch.cat([taps, taps.new_zeros(pad, taps.shape[1])]) if pad else taps
+        self.model.write_context(self.model.context_features(taps), positions, slots, self.caches)
+
+    def write_context_all(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """extend_context for every row of a captured target step (padding rows have slot -1 and write nothing).
+
+        Rows of rejected drafts are written too: they sit at positions from the next anchor on, which the next block
+        overwrites with its own keys before anything reads them, and the target's extend overwrites after that (the
+        same reasoning as the target's own KV of rejected drafts)."""
+        self.model.write_context(self.model.context_features(taps), positions, slots, self.caches, skip_padding=True)
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the drafting pass in CUDA graphs (worker/cuda_graphs.py explains why), for up to max_num_seqs."""
+        from dspark.speculative.drafters.dspark.graphs import DraftGraphs
+
+        self.graphs = DraftGraphs(self, max_num_seqs, max_model_len)
+        self.graphs.capture()
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request]) -> Proposal:
+        cfg, bs, dev = self.model.config, self.block_size, self.device
+        K = cfg.block_size
+        num_reqs = len(requests)
+        anchors, positions, slots, seq_lens, tables, rows = [], [], [], [], [], []
+        for req in requests:
+            anchor_pos = req.num_tokens - 1
+            assert req.num_computed_tokens == anchor_pos, "the target must have computed every token but the anchor"
+            anchors.append(req.all_token_ids[-1])
+            positions += range(anchor_pos, anchor_pos + K)
+            slots += slots_for(req.block_ids, anchor_pos, anchor_pos + K, bs)
+            seq_lens.append(anchor_pos + K)
+            tables.append(req.block_ids)
+            p = req.sampling_params
+            rows.append(DraftRow(req.seed, req.num_output_tokens, p.temperature, p.temperature < GREEDY_BELOW))
+        # NOTE: a pass whose rows are all greedy draws argmaxes only: no softmax, no inverse CDF (an fp64 scan of the
+        # vocabulary per draft: 75 us a call, 0.5 of the drafter's 1.3 ms at C = 1 on the H200, plain_step_trace.py)
+        # and no [R, k, vocab] distributions to copy out. Greedy rows are verified by argmax and never read them.
+        sample = self.sample and not all(row.greedy for row in rows)
+        key = self.graphs.pick(num_reqs) if self.graphs is not None else None
+        if key is not None:
+            assert self.graphs is not None
+            tokens, probs, confidences = self.graphs.replay(
+                key, anchors, positions, slots, seq_lens, tables, rows, sample
+            )
+            return Proposal(Download(tokens), probs, confidences)
+
+        num_tokens = num_reqs * K
+        pad = padded_rows(num_tokens) - num_tokens
+        max_blocks = max(len(t) for t in tables)
+        meta = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            slot_mapping=upload(slots + [-1] * pad, torch.int64, dev),
+            query_start_loc=torch.arange(0, num_tokens + 1, K, dtype=torch.int32, device=dev),
+            seq_lens=upload(seq_lens, torch.int32, dev),
+            block_tables=upload_tensor(
+                torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32), dev
+            ),
+            query_start_loc_cpu=list(range(0, num_tokens + 1, K)),
+            seq_lens_cpu=seq_lens,
+            max_query_len=K,
+            max_seq_len=max(seq_lens),
+            causal=False,
+        )
+        temps, greedy, u_all = draw_inputs(rows, self.max_num_tokens, sample, dev)
+        anchor_ids = upload(anchors, torch.int64, dev)
+        pos = upload(positions + [0] * pad, torch.int64, dev)
+        tokens, probs, confidences = self.block(self.backend, meta, anchor_ids, pos, temps, greedy, u_all)
+        return Proposal(Download(tokens), probs, confidences)
+
+    def block(
+        self,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,  # non-causal, K query tokens per request
+        anchor_ids: torch.Tensor,  # [R]
+        pos: torch.Tensor,  # [R * K (+ padding)]
+        temps: torch.Tensor,  # [R]
+        greedy: torch.Tensor,  # [R]
+        u_all: torch.Tensor | None,  # [R, k]; None: argmax drafts
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The drafting pass on device inputs (eager, or captured by DraftGraphs): (tokens [R, k], the
+        distributions they were drawn from [R, k, vocab] or None, calibrated confidences [R, k] or None)."""
+        cfg = self.model.config
+        K, k = cfg.block_size, self.max_num_tokens
+        num_reqs = anchor_ids.shape[0]
+        backend.prepare(meta, cfg.num_kv_heads, cfg.num_heads, self.block_size)
+        embed = self.target.model.embed_tokens
+        x = self.model.mask_input(embed).expand(pos.shape[0], -1).clone()
+        x[torch.arange(num_reqs, device=pos.device) * K] = embed(anchor_ids).to(x.dtype)
+        h = self.model.backbone(x, pos, AttentionContext(backend, meta, self.caches))
+
+        # Only the first k of the K slots are drafted; rows are padded for batch-invariant matmuls.
+        r_pad = padded_rows(num_reqs)
+        h = h[: num_reqs * K].view(num_reqs, K, -1)[:, :k]
+        if r_pad > num_reqs:
+            h = torch.cat([h, h.new_zeros(r_pad - num_reqs, k, h.shape[-1])])
+            anchor_ids = torch.cat([anchor_ids, anchor_ids.new_zeros(r_pad - num_reqs)])
+        # NOTE: never the batch-invariant GEMM: drafts change no greedy output, only how many are accepted.
+        base = self.target.compute_logits(h.reshape(r_pad * k, -1), invariant=False).view(r_pad, k, -1)
+        model = self.model
+        drafts = sample_block_with(base, h, anchor_ids, model.markov_head, model.confidence_head, temps, greedy, u_all)
+        confidences = None
+        if drafts.confidence_logits is not None:
+            # NOTE: not torch.sigmoid, whose vectorised loop gives an element different bits by where it sits.
+            scaled = drafts.confidence_logits[:num_reqs] * self.inv_temperature + self.bias
+            confidences = 1 / (1 + torch.exp(-scaled))
+        return drafts.tokens[:num_reqs], drafts.probs, confidences

@@ -1,0 +1,129 @@
+"""The low-rank Markov head and the left-to-right sampling of a block's drafts.
+
+The backbone predicts all K positions of a block at once, so on its own each draft ignores the drafts before it.
+The Markov head adds a first-order correction: logits_k = lm_head(h_k) + W2 W1[x_{k-1}], with x_0 the anchor, and
+drafts are sampled one position at a time. The corrected distribution is the one each draft is sampled from, so it is
+also the draft distribution that rejection sampling needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from dspark.sample.sampler import inverse_cdf_rows, uniforms
+from dspark.speculative.drafters.dspark.confidence import ConfidenceHead
+from dspark.utils.transfer import upload, upload_tensor
+
+DRAFT_STREAM = 3  # the counter-based stream drafts are sampled from (0-2 belong to sampling and verification)
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)  # weight [V, r]: a small embedding of the previous token
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)  # weight [V, r]
+
+    def forward(self, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """prev_tokens: [n] -> (W1[x], [n, rank]; the logit correction W2 W1[x], [n, vocab] fp32)."""
+        e = self.markov_w1(prev_tokens)
+        return e, self.markov_w2(e).float()
+
+
+@dataclass
+class DraftRow:
+    """How one request drafts: its seed and output index (for counter-based draws) and its temperature."""
+
+    seed: int
+    first_counter: int
+    temperature: float
+    greedy: bool
+
+
+@dataclass
+class BlockDrafts:
+    tokens: torch.Tensor  # [R, k] int64
+    probs: torch.Tensor | None  # [R, k, vocab] fp32, the distribution each draft was drawn from
+    confidence_logits: torch.Tensor | None  # [R, k] fp32
+
+
+def sample_block(
+    base_logits: torch.Tensor,  # [R_pad, k, vocab] fp32: lm_head of the backbone's states (rows past R: padding)
+    h: torch.Tensor,  # [R_pad, k, hidden]
+    anchors: torch.Tensor,  # [R_pad] int64
+    head: MarkovHead | None,  # None: no Markov correction (the drafts come from the backbone alone)
+    confidence: ConfidenceHead | None,
+    rows: list[DraftRow],
+    sample: bool,  # False: every draft is the argmax (no distribution is returned)
+) -> BlockDrafts:
+    temps, greedy, u_all = draw_inputs(rows, base_logits.shape[1], sample, h.device)
+    return sample_block_with(base_logits, h, anchors, head, confidence, temps, greedy, u_all)
+
+
+def draft_uniforms(rows: list[DraftRow], k: int) -> np.ndarray:
+    """[R, k] float64: the uniform of each row's j-th draft, uniform(seed, first_counter + j, DRAFT_STREAM)."""
+    seeds = np.repeat(np.array([r.seed for r in rows], dtype=np.int64), k)
+    counters = (np.array([r.first_counter for r in rows], dtype=np.int64)[:, None] + np.arange(k)).reshape(-1)
+    return uniforms(seeds, counters, DRAFT_STREAM).reshape(len(rows), k)
+
+
+def draw_inputs(
+    rows: list[DraftRow], k: int, sample: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per request: the temperature ([R] fp32; 1 for greedy rows), whether it is greedy ([R] bool) and, when
+    sampling, every uniform of its block ([R, k] fp64), uploaded without a host sync."""
+    temps = upload([1.0 if r.greedy else r.temperature for r in rows], torch.float32, device)
+    greedy = upload([r.greedy for r in rows], torch.bool, device)
+    u_all = None
+    if sample:
+        u = draft_uniforms(rows, k)
+        u_all = upload_tensor(torch.from_numpy(u), device)
+    return temps, greedy, u_all
+
+
+def sample_block_with(
+    base_logits: torch.Tensor,  # [R_pad, k, vocab] fp32
+    h: torch.Tensor,  # [R_pad, k, hidden]
+    anchors: torch.Tensor,  # [R_pad] int64
+    head: MarkovHead | None,
+    confidence: ConfidenceHead | None,
+    temps: torch.Tensor,  # [R] fp32: the first R rows are requests, the rest padding
+    greedy: torch.Tensor,  # [R] bool
+    u_all: torch.Tensor | None,  # [R, k] fp64; None: every draft is the argmax
+) -> BlockDrafts:
+    """sample_block on device inputs only: no host value is read, so a CUDA graph can capture it."""
+    num_reqs, k = temps.shape[0], base_logits.shape[1]
+    sample = u_all is not None
+    prev = anchors
+    tokens, probs, conf = [], [], []
+    for j in range(k):
+        if head is not None:
+            e, correction = head(prev)
+            logits = base_logits[:, j] + correction  # [R_pad, vocab]
+        else:
+            e, logits = h.new_zeros(h.shape[0], 0), base_logits[:, j]
+        if confidence is not None:
+            conf.append(confidence.logit(h[:, j], e)[:num_reqs])
+        top = torch.argmax(logits[:num_reqs], dim=-1)
+        if u_all is not None:
+            q = torch.softmax(logits[:num_reqs] / temps[:, None], dim=-1)
+            # Greedy rows one-hot at their argmax, in place: masked_fill_ and a one-column scatter, not a one_hot
+            # ([R, vocab] int64, twice the softmax's bytes), a cast and a where over the whole table.
+            # NOTE: masks, not q[greedy] = ...: boolean indexing waits for the device to count the mask.
+            q.masked_fill_(greedy[:, None], 0.0)
+            at_top = top[:, None]
+            q.scatter_(1, at_top, torch.where(greedy[:, None], 1.0, q.gather(1, at_top)))
+            x = torch.where(greedy, top, inverse_cdf_rows(q, u_all[:, j]))
+            probs.append(q)
+        else:
+            x = top
+        tokens.append(x)
+        prev = torch.cat([x, prev[num_reqs:]])  # padding rows keep their (ignored) anchors
+    return BlockDrafts(
+        tokens=torch.stack(tokens, dim=1),
+        probs=torch.stack(probs, dim=1) if sample else None,
+        confidence_logits=torch.stack(conf, dim=1) if confidence is not None else None,
+    )

@@ -1,0 +1,304 @@
+"""Speculating at all, checked against measurement (speculative/regime.py): the faster regime wins once both are
+measured, whatever the cost model said, and the slower one is still revisited, more rarely each time."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dspark.speculative.regime import BURST, EXPLORE_SHARE, FIRST_PERIOD, MAX_PERIOD, RegimeChooser, Verdict
+
+
+def _run(chooser: RegimeChooser, steps: int, model_says: bool, spec_rate: float, plain_rate: float) -> list[bool]:
+    choices, previous = [], model_says
+    for _ in range(steps):
+        drafted = chooser.choose(16, model_says)
+        # This step verified drafts iff the one before drafted; it is steady iff it also drafted.
+        chooser.observe(16, previous, drafted, 16, 16 / (spec_rate if drafted else plain_rate))
+        choices.append(drafted)
+        previous = drafted
+    return choices
+
+
+def test_measurement_overrides_a_wrong_model() -> None:
+    chooser = RegimeChooser()
+    choices = _run(chooser, 400, model_says=True, spec_rate=0.8, plain_rate=1.0)  # the model is wrong: plain is faster
+    assert all(choices[:FIRST_PERIOD])  # the model's choice until the first exploration
+    late = choices[100:]
+    assert sum(late) < 0.1 * len(late)  # then plain, with short spec bursts that keep its figure fresh
+    assert 0 < sum(late)
+    assert set(chooser.rates()[chooser.level(16)]) == {"spec", "plain"}
+
+
+def test_measurement_confirms_a_right_model_and_explores_ever_more_rarely() -> None:
+    chooser = RegimeChooser()
+    choices = _run(chooser, 600, model_says=True, spec_rate=1.3, plain_rate=1.0)
+    assert sum(choices) > 0.95 * len(choices)
+    plain_runs = [i for i in range(1, len(choices)) if not choices[i] and choices[i - 1]]
+    gaps = [b - a for a, b in itertools.pairwise(plain_runs)]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # explorations thin out
+
+
+def test_a_wrong_model_costs_a_new_level_two_drafting_steps() -> None:
+    """The model cannot see a drafting step's host work, so at a new load level it may choose to draft where plain
+    steps are 3x faster: the level measures both regimes within its first few steps and then stays plain for the rest
+    of a 256-step sweep row (a first period of 8 cost 7-10 drafting steps a row on the H200)."""
+    chooser = RegimeChooser()
+    choices = _run(chooser, 256, model_says=True, spec_rate=0.3, plain_rate=1.0)
+    assert choices[:2] == [True, True]  # the model's choice: one step entering, one steady step measured
+    assert sum(choices) == 2
+
+
+def test_a_near_tie_keeps_the_regime_the_engine_is_in() -> None:
+    """Within the 3% margin the engine stays where it is: drafting, where the model chose it before anything was
+    measured; plain, where it got there from a level that measured plain faster, even though the model says draft
+    (it leans to drafting: it cannot see a drafting step's host work)."""
+    chooser = RegimeChooser()
+    choices = _run(chooser, 300, model_says=True, spec_rate=1.0, plain_rate=1.01)
+    assert sum(choices[100:]) > 0.9 * len(choices[100:])
+
+    chooser = RegimeChooser()
+    _run(chooser, 300, model_says=True, spec_rate=0.3, plain_rate=1.0)  # plain is settled
+    asked = []
+
+    def model() -> bool:
+        asked.append(True)
+        return True
+
+    near = chooser.levels[chooser.level(16)]
+    near.rate = {True: 1.0, False: 1.01}  # then the level measures a near tie
+    near.ms = {True: 1.0, False: 1.0}
+    choices = [chooser.choose(16, model) for _ in range(100)]
+    assert not asked
+    runs = [len(list(group)) for drafted, group in itertools.groupby(choices) if drafted]
+    assert runs and all(n == BURST for n in runs)  # plain, drafting only in exploration bursts
+
+
+def test_switching_steps_are_not_measured() -> None:
+    chooser = RegimeChooser()
+    chooser.observe(16, verified_drafts=True, drafted=False, tokens=16, ms=1.0)  # leaving spec: neither regime
+    chooser.observe(16, verified_drafts=False, drafted=True, tokens=16, ms=1.0)  # entering spec: neither
+    assert chooser.rates() == {}
+
+
+def test_exploring_a_much_slower_regime_costs_at_most_about_one_percent() -> None:
+    """Bursts are spaced by how much slower the other regime is: a drafter whose steps are 3x slower per token is
+    revisited only every few hundred steps (it cost 2-4% on the H200 when bursts came every 256 steps). The run is long
+    enough that where its window cuts the bursts does not matter (each costs 1% of the ~700 steps before it)."""
+    chooser = RegimeChooser()
+    choices = _run(chooser, 20000, model_says=False, spec_rate=0.3, plain_rate=1.0)
+    late = choices[200:]
+    assert 0 < sum(late)  # still revisited
+    lost = sum(late) * (1 / 0.3 - 1)  # plain steps' worth of time the spec steps cost beyond plain ones
+    assert lost < 0.01 * len(late)
+
+
+def test_the_model_is_asked_only_when_the_measurements_leave_the_choice_open() -> None:
+    """Its answer costs host time at high load; once both regimes are measured and one is clearly faster, it is not
+    computed at all."""
+    chooser = RegimeChooser()
+    asked = []
+
+    def model() -> bool:
+        asked.append(True)
+        return False
+
+    for _ in range(FIRST_PERIOD + 40):  # plain, then a spec burst that measures spec at a third of plain's rate
+        drafted = chooser.choose(16, model)
+        chooser.observe(16, drafted, drafted, 16, 16 / (0.3 if drafted else 1.0))
+    before = len(asked)
+    for _ in range(50):
+        assert not chooser.choose(16, model)
+    assert len(asked) == before  # measured: plain is 3x faster, nothing to ask
+    tie = RegimeChooser()
+    tie.choose(16, model)
+    assert len(asked) == before + 1  # nothing measured yet: the model decides
+
+
+def test_a_new_load_level_starts_from_a_lower_level_where_plain_won() -> None:
+    """Plain measured faster at a low load carries up to a higher one (verifying only gets dearer with load), so the
+    new level does not first draft for the model's sake; the reverse direction does not carry."""
+    chooser = RegimeChooser()
+    _run(chooser, 200, model_says=True, spec_rate=0.4, plain_rate=1.0)  # level of 16 requests: plain wins
+    asked = []
+
+    def model() -> bool:
+        asked.append(True)
+        return True
+
+    assert not chooser.choose(200, model)  # a higher level: plain from the start, the model not asked
+    assert not asked
+    assert chooser.choose(4, model)  # a lower level: nothing carries down from a level where plain won
+    assert asked
+
+
+def test_a_level_following_its_neighbours_verdict_explores_at_its_neighbours_spacing() -> None:
+    """A new level that starts plain from a lower level where plain won does not explore drafting after the first few
+    steps, as a level with nothing to go on does: a burst there costs what it costs at the neighbour, so it comes no
+    sooner than the neighbour's next burst, here its spacing (its period is shorter; the next test has a longer one) (on
+    the H200 with pipelined plain steps, a new level's early bursts took ~10% of a 256-step row). It is still explored,
+    later."""
+    chooser = RegimeChooser()
+    _run(chooser, 400, model_says=True, spec_rate=0.3, plain_rate=1.0)  # level of 16 requests: plain 3x faster
+    level = chooser.levels[chooser.level(16)]
+    spacing = chooser._spacing(level)
+    assert spacing > 50
+    choices = []
+    for _ in range(spacing + 2 * BURST + 2):
+        drafted = chooser.choose(200, True)
+        chooser.observe(200, False, drafted, 200, 200 / (0.3 if drafted else 1.0))
+        choices.append(drafted)
+    first = choices.index(True)
+    assert first >= spacing  # not after FIRST_PERIOD steps
+    assert sum(choices) >= 1  # but explored all the same
+
+
+def test_a_level_with_no_verdict_to_follow_still_explores_early() -> None:
+    """Nothing carries down from a level where plain won: a lower level explores after FIRST_PERIOD steps."""
+    chooser = RegimeChooser()
+    _run(chooser, 400, model_says=True, spec_rate=0.3, plain_rate=1.0)
+    choices = [chooser.choose(2, False) for _ in range(FIRST_PERIOD + 1)]
+    assert choices[FIRST_PERIOD]
+
+
+def _burst_starts(choices: list[bool], regime: bool) -> list[int]:
+    return [i for i in range(1, len(choices)) if choices[i] == regime and choices[i - 1] != regime]
+
+
+def test_each_gap_between_bursts_doubles_the_last_once_the_spacing_rules() -> None:
+    """Once both rates are known the spacing (a burst's cost at most 1% of the time between bursts) sets the first gap,
+    and each later gap doubles the one before. Doubling only the small first period left the bursts at the spacing for
+    round after round: ~12 bursts in a 4096-step C = 1 row on the H200 (session 4), ~1% of its time."""
+    chooser = RegimeChooser()
+    choices = _run(chooser, 6000, model_says=False, spec_rate=0.6, plain_rate=1.0)
+    spacing = chooser._spacing(chooser.levels[chooser.level(16)])
+    assert 50 < spacing < 400
+    starts = _burst_starts(choices, True)
+    gaps = [b - a - BURST for a, b in itertools.pairwise(starts)]
+    assert len(gaps) >= 3
+    assert gaps[0] >= spacing
+    for before, after in itertools.pairwise(gaps):
+        assert after >= 2 * before - 1
+
+
+def test_a_new_level_waits_as_long_as_its_neighbour_whose_verdict_held() -> None:
+    """A neighbour whose plain verdict several bursts confirmed has a long period; a higher level that inherits the
+    verdict explores no sooner than that period, not after the neighbour's spacing alone: drafting costs more per plain
+    step at a higher load (4.6x at C = 16 against 2.9x at C = 1 on the H200), so one burst in each new level's first
+    256 steps cost ~4% of a C = 16 sweep row."""
+    chooser = RegimeChooser()
+    _run(chooser, 6000, model_says=False, spec_rate=0.6, plain_rate=1.0)
+    neighbour = chooser.levels[chooser.level(16)]
+    spacing = chooser._spacing(neighbour)
+    assert neighbour.period > 4 * spacing
+    choices = []
+    for _ in range(neighbour.period + 2 * BURST):
+        drafted = chooser.choose(200, True)
+        chooser.observe(200, False, drafted, 200, 200 / (0.6 if drafted else 1.0))
+        choices.append(drafted)
+    assert choices.index(True) >= neighbour.period
+
+
+def test_a_neighbours_gap_delays_only_a_levels_first_burst() -> None:
+    """After its first burst a level has rates of its own, and its gaps grow from its own spacing: the neighbour's
+    long period is not carried on as the level's own (it would keep the level from re-checking for good)."""
+    chooser = RegimeChooser()
+    _run(chooser, 6000, model_says=False, spec_rate=0.6, plain_rate=1.0)
+    neighbour = chooser.levels[chooser.level(16)]
+    assert neighbour.period >= MAX_PERIOD // 2
+    choices, previous = [], False
+    for _ in range(neighbour.period + 3000):
+        drafted = chooser.choose(200, True)
+        chooser.observe(200, previous, drafted, 200, 200 / (0.6 if drafted else 1.0))
+        choices.append(drafted)
+        previous = drafted
+    starts = _burst_starts(choices, True)
+    level = chooser.levels[chooser.level(200)]
+    own = chooser._spacing(level)
+    assert starts[0] >= neighbour.period  # the first burst waits for the neighbour's gap
+    assert 0 < own < MAX_PERIOD // 4
+    assert len(starts) >= 2 and starts[1] - starts[0] < 4 * own  # then the level's own gap
+
+
+def _first_burst(chooser: RegimeChooser, verdict: bool | Verdict, steps: int, regime: bool) -> int | None:
+    """The step at which a new level (16 requests, nothing measured) first runs `regime` against the model's verdict;
+    steps are measured as spec at a third of plain's rate."""
+    for i in range(steps):
+        drafted = chooser.choose(16, verdict)
+        chooser.observe(16, False, drafted, 16, 16 / (0.3 if drafted else 1.0))
+        if drafted == regime:
+            return i
+    return None
+
+
+def test_a_plain_verdict_with_predictions_explores_as_rarely_as_measured_rates_would() -> None:
+    """Once the model's drafting costs are measured ones (the planner then passes its predictions), a plain verdict
+    spaces the level's first drafting burst as measured rates would: at T = 1 on the H200 each level of a sweep row's
+    ramp explored drafting after 2 steps, 2.5-7x a plain step each (session 5)."""
+    verdict = Verdict(False, rate={True: 0.3, False: 1.0}, ms={True: 3.0, False: 1.0})
+    chooser = RegimeChooser()
+    chooser.choose(16, verdict)
+    spacing = chooser._spacing(chooser.levels[chooser.level(16)])
+    assert spacing == int(BURST * 3.0 * 0.7 / (EXPLORE_SHARE * 1.0))
+    first = _first_burst(RegimeChooser(), verdict, 2 * spacing, regime=True)
+    assert first is not None and first >= spacing  # still explored, after the spacing
+
+
+def test_a_verdict_without_predictions_explores_after_the_first_period() -> None:
+    """The profile's guess alone (no speculative step measured yet) earns no such trust."""
+    for verdict in (False, Verdict(False)):
+        assert _first_burst(RegimeChooser(), verdict, 10, regime=True) == FIRST_PERIOD
+
+
+def test_a_drafting_verdict_with_predictions_still_explores_plain_early() -> None:
+    """The model's error leans to drafting (it cannot see all of a drafting step's host work), so a drafting verdict
+    with predictions is not trusted to delay the plain burst: plain steps are cheap to try."""
+    verdict = Verdict(True, rate={True: 1.2, False: 1.0}, ms={True: 3.0, False: 1.0})
+    assert _first_burst(RegimeChooser(), verdict, 10, regime=False) == FIRST_PERIOD
+
+
+def test_a_plain_rate_pulled_under_the_level_belows_does_not_decide() -> None:
+    """More requests a plain step do not make fewer tokens a millisecond, so a level's plain rate is never taken below
+    the next level down's. Session 8 on the H200: level 7 (64-127 requests) read plain decoding at 6 tokens/ms, from
+    steps that ended requests, against 42 at level 6 and drafting's 25 at level 7, and then drafted in every C = 64
+    row. With level 6's plain rate as a floor, level 7 stays plain."""
+    chooser = RegimeChooser()
+    for _ in range(20):  # level 6 (32-63 requests): plain measured at 42 tokens/ms, drafting at 12
+        chooser.observe(48, False, False, 48, 48 / 42)
+        chooser.observe(48, True, True, 48, 48 / 12)
+    for _ in range(20):  # level 7: drafting at 25, plain pulled down to 6
+        chooser.observe(64, True, True, 64, 64 / 25)
+        chooser.observe(64, False, False, 64, 64 / 6)
+    level = chooser.levels[chooser.level(64)]
+    assert level.rate[False] == pytest.approx(6) and level.rate[True] == pytest.approx(25)
+    choices = [chooser.choose(64, True) for _ in range(40)]
+    assert sum(choices) <= 3  # plain, bar an exploration burst of drafting
+    # without the level below, the same rates choose drafting
+    alone = RegimeChooser()
+    alone.levels[alone.level(64)] = level
+    assert sum(alone.choose(64, True) for _ in range(40)) >= 37
+
+
+def test_a_lower_loads_drafting_rate_does_not_make_a_level_draft() -> None:
+    """Drafting's rate moves with acceptance (temperature, prompts): a lower load's, measured on easier text, must not
+    keep a level drafting where its own measurements say plain steps are faster (a review's finding)."""
+    chooser = RegimeChooser()
+    for _ in range(20):  # level 6: drafting measured at 60 tokens/ms on repetitive text, plain at 40
+        chooser.observe(48, True, True, 48, 48 / 60)
+        chooser.observe(48, False, False, 48, 48 / 40)
+    for _ in range(20):  # level 7, later rows: drafting at 25, plain at 45
+        chooser.observe(64, True, True, 64, 64 / 25)
+        chooser.observe(64, False, False, 64, 64 / 45)
+    assert sum(chooser.choose(64, True) for _ in range(40)) <= 3
+
+
+def test_a_held_regime_is_every_choice_whatever_the_rates_and_the_model_say() -> None:
+    """bench sweep's adaptive:plain arm holds an adaptive engine's regime plain to price its plain steps; drafting
+    twice as fast as plain, with a model that says draft, must still give plain steps only, and no exploration."""
+    chooser = RegimeChooser()
+    chooser.held = False
+    assert not any(_run(chooser, 200, model_says=True, spec_rate=2.0, plain_rate=1.0))
+    assert chooser.num_explorations == 0
+    chooser.held = True
+    assert all(_run(chooser, 50, model_says=False, spec_rate=0.5, plain_rate=1.0))
