@@ -30,7 +30,8 @@ from dspark.speculative import planner as planner_module
 from dspark.speculative.regime import Verdict
 from dspark.speculative.budget import drafting_verdict
 from dspark.worker import model_runner as mr
-from dspark.sample.sampler import uniforms
+from dspark.sample import sampler as sampler_module
+from dspark.sample.random import uniforms
 
 
 def host_ms(
@@ -78,7 +79,7 @@ def host_ms(
         planner_module.drafting_verdict = verdict  # type: ignore[assignment]
 
     def stub(sched: mr.SchedulerOutput, previous: mr.Launched | None = None) -> mr.Launched:
-        # the runner's host work as it was before sessions 9-10's cuts (input lists and sampling lists request by
+        # the runner's host work as it was before eecd3f3 and f8c42bb cut it (input lists and sampling lists request by
         # request, every step); one token per sampling request. NOTE: --real-runner times the runner's own work.
         ids: list[int] = []
         for s in sched.scheduled:
@@ -86,10 +87,10 @@ def host_ms(
             ids += req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + s.num_new_tokens]
             mr.slots_for(req.block_ids, req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens, 16)
         sampling = [s for s in sched.scheduled if s.samples]
-        if all(mr.plain_greedy(s.request, s.continues) for s in sampling):  # as ModelRunner.launch
+        if all(s.request.sampling_path == "greedy" for s in sampling):  # as ModelRunner.launch
             pass
-        elif all(mr.plain_temperature(s.request, s.continues) for s in sampling):
-            # the lists ModelRunner.launch hands Sampler.plain_temperature, and its uniforms
+        elif all(s.request.sampling_path == "temperature" for s in sampling):
+            # the lists ModelRunner.launch hands Sampler.temperature, and its uniforms
             _ = [s.request.sampling_params.temperature for s in sampling]
             uniforms([s.request.seed for s in sampling], [s.request.num_output_tokens + s.continues for s in sampling])
         else:
@@ -102,7 +103,7 @@ def host_ms(
     if real_runner:
         runner = engine.runner
         # device work, one batched pass on a GPU: its inputs (the uniforms) are made on the host before it is called
-        runner.sampler.draw = lambda probs, us: torch.zeros(probs.shape[0], dtype=torch.int64)  # type: ignore[method-assign]
+        sampler_module.draw = lambda probs, u: torch.zeros(probs.shape[0], dtype=torch.int64)  # type: ignore[assignment]
         hidden = torch.zeros(8192, 4)
         slots = torch.zeros(8192, dtype=torch.int64)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from dspark.config import SamplingParams
-from dspark.outputs import Logprob
 
 
 class RequestStatus(enum.Enum):
@@ -40,9 +40,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    stop_reason: int | str | None = None
+    stop_reason: int | None = None  # the stop token id that ended it
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -52,9 +50,33 @@ class Request:
     spec_num_drafts: int = 0  # steps that verified at least one of its drafts
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # What ends it, checked per token: a token of `ends_on` (its EOS unless ignored, its stop token ids) once min_tokens
+    # are out, or reaching `end_at` tokens (prompt + max_tokens; the core lowers it to max_model_len).
+    ends_on: frozenset[int] = field(init=False)
+    end_at: int = field(init=False)
+    # The front reads its tokens every step (streams, stop strings, logprobs); else only its final output.
+    streams: bool = field(init=False)
+    # How the sampler picks its tokens, decided once for its whole life (the runner reads it every step): "greedy"
+    # (the raw logits' argmax), "temperature" (a softmax at its temperature alone) or "general" (logits_to_probs).
+    sampling_path: Literal["greedy", "temperature", "general"] = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        p = self.sampling_params
+        eos = () if p.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        self.ends_on = frozenset((*eos, *p.stop_token_ids))
+        self.end_at = len(self.prompt_token_ids) + p.max_tokens if p.max_tokens is not None else 1 << 62
+        self.streams = p.output_kind != "final_only" or bool(p.stop) or p.logprobs is not None
+        # NOTE: a request that may have a stop token banned (min_tokens) takes the general path for good, even once
+        # min_tokens are out: it gives the same tokens, and the fast paths never have to check.
+        if p.has_penalties or (p.min_tokens > 0 and self.ends_on):
+            self.sampling_path = "general"
+        elif p.greedy:
+            self.sampling_path = "greedy"
+        elif p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0:
+            self.sampling_path = "temperature"
+        else:
+            self.sampling_path = "general"
 
     @property
     def num_prompt_tokens(self) -> int:

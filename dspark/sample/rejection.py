@@ -1,8 +1,7 @@
 """Lossless verification of drafted tokens, each request with its own number of drafts (0..K) plus one bonus.
 
-For request r with drafts x_1..x_l, target distributions p_1..p_{l+1} (already shaped by temperature, top-k/p,
-min-p and penalties exactly as the non-speculative sampler shapes them) and, for probabilistic drafters, draft
-distributions q_1..q_l:
+For request r with drafts x_1..x_l, target distributions p_1..p_{l+1} (ops.logits_to_probs of the target's logits,
+as the non-speculative sampler computes them) and, for probabilistic drafters, draft distributions q_1..q_l:
 
 - greedy (temperature 0): accept x_k while x_k = argmax p_k; the first mismatch emits argmax p_k instead.
 - probabilistic (Leviathan et al. / Chen et al.): accept x_k with probability min(1, p_k(x_k) / q_k(x_k)); on
@@ -13,7 +12,7 @@ distributions q_1..q_l:
 
 When all l drafts are accepted, the bonus token is sampled from p_{l+1} as the plain sampler would.
 
-Randomness is counter-based (sample/sampler.py): output position n of a request uses uniform(seed, n) for sampling,
+Randomness is counter-based (sample/random.py): output position n of a request uses uniform(seed, n) for sampling,
 and separate streams for the acceptance test and the residual draw, so results do not depend on the batch.
 Whether a draft is verified at all must not depend on its value (the scheduler's job, DESIGN.md section 4).
 """
@@ -25,13 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark.config import GREEDY_BELOW
-from dspark.sample.sampler import Sampler, inverse_cdf, inverse_cdf_rows, uniform, uniforms
+from dspark.sample.ops import softmax_temperatures, temperature_probs
+from dspark.sample.random import ACCEPT_STREAM, RESIDUAL_STREAM, draw, inverse_cdf, uniform, uniforms
 from dspark.utils.transfer import download, upload, upload_tensor
 
 METHODS = ("probabilistic", "strict")
-ACCEPT_STREAM = 1
-RESIDUAL_STREAM = 2
 
 
 @dataclass
@@ -79,7 +76,7 @@ def verify(
     # On CPU there is no sync to save: plain draws are made lazily, only for the rows a decision reaches.
     batched = not all(r.greedy for r in rows) and dev.type != "cpu"
     if batched:  # every row's plain draw (greedy rows' too: they read the argmax instead)
-        needed.append(_SAMPLER.draw(target_probs, uniforms(seeds, counters)))
+        needed.append(draw(target_probs, uniforms(seeds, counters)))
     probabilistic = method == "probabilistic" and bool(tokens) and draft_probs is not None
     if probabilistic:
         x = upload(tokens, torch.int64, dev)
@@ -133,9 +130,6 @@ def verify(
     return out
 
 
-_SAMPLER = Sampler()
-
-
 def _residuals(
     p: torch.Tensor, q: torch.Tensor, rejected: list[tuple[int, int, int, int]], seeds: dict[int, int]
 ) -> list[int]:
@@ -147,7 +141,7 @@ def _residuals(
     empty = residual.sum(dim=-1, keepdim=True) <= 0.0
     residual = torch.where(empty, p[t_rows].double(), residual)
     us = uniforms([seeds[i] for i, *_ in rejected], [n for *_, n in rejected], RESIDUAL_STREAM)
-    return download(_SAMPLER.draw(residual, us))[0]
+    return download(draw(residual, us))[0]
 
 
 def verify_plain(
@@ -158,7 +152,7 @@ def verify_plain(
     method: str = "probabilistic",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verify() for requests whose sampling is a temperature alone or greedy (no top-k/p, min-p, penalties, banned
-    tokens): the same tokens as verify(Sampler.target_probs(logits, rows), ...), decided on the device in batched
+    tokens): the same tokens as verify(logits_to_probs(logits, rows), ...), decided on the device in batched
     kernels. Returns (drafts accepted [R], the corrected or bonus token [R]), int64 on logits' device, not waited for:
     request r emits draft_tokens[:accepted] and then that token.
 
@@ -213,7 +207,7 @@ def verify_plain(
     # own pinned staging copy and transfer, a fixed host cost that matters most at C = 1).
     ints = _Packed([t_index, drafts, valid, d_index, lens, bonus, sampled, need, residual_reqs], np.int64)
     floats = [
-        np.repeat([max(t, GREEDY_BELOW) for t in temperatures], lens + 1),
+        np.repeat(softmax_temperatures(temperatures), lens + 1),
         uniforms(seeds[req_of], firsts[req_of] + (need - t_start[req_of])),
     ]
     if residual_reqs.size:
@@ -232,10 +226,10 @@ def verify_plain(
     plain = tops
     probs = None
     if sampled.any():
-        # the softmax Sampler.probabilities takes (its temperatures fp32, greedy rows at GREEDY_BELOW)
-        probs = torch.softmax(logits[:n] / fl.part(fl_dev, 0).float()[:, None], dim=-1)
+        # logits_to_probs's distribution for these rows (greedy rows' is not read: they read the argmax)
+        probs = temperature_probs(logits[:n], fl.part(fl_dev, 0).float())
         plain = tops.clone()
-        plain[need_dev] = _draw(probs[need_dev], fl.part(fl_dev, 1))
+        plain[need_dev] = draw(probs[need_dev], fl.part(fl_dev, 1))
     choice = plain[t_dev]  # [R, k]: what greedy and strict verification compare each draft with, and emit instead
     accept = choice == x
     if residual_reqs.size:
@@ -260,7 +254,7 @@ def verify_plain(
         residual = (p_rej - draft_probs[d_rej].double()).clamp_(min=0.0)
         residual = torch.where(residual.sum(dim=-1, keepdim=True) <= 0.0, p_rej, residual)
         u_rej = fl.part(fl_dev, 3).view(-1, k).gather(1, at_sub).squeeze(1)
-        corrected[residual_dev] = _draw(residual, u_rej)
+        corrected[residual_dev] = draw(residual, u_rej)
     last = torch.where(num_accepted == lens_dev, plain[bonus_dev], corrected)
     return num_accepted, last
 
@@ -278,10 +272,3 @@ class _Packed:
 
     def part(self, on_device: torch.Tensor, i: int) -> torch.Tensor:
         return on_device[self.offsets[i] : self.offsets[i + 1]]
-
-
-def _draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Row i's token at quantile u[i] (fp64) of p[i], as Sampler.draw draws it (row by row on CPU)."""
-    if p.device.type == "cpu":
-        return torch.tensor([inverse_cdf(p[i], float(u[i])) for i in range(p.shape[0])], dtype=torch.int64)
-    return inverse_cdf_rows(p, u)

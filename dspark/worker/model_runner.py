@@ -15,14 +15,15 @@ import torch
 
 from dspark.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache, slots_for
 from dspark.attention.torch_ref import TorchAttention
-from dspark.config import GREEDY_BELOW, EngineConfig
+from dspark.config import EngineConfig
 from dspark.core.request import Request
 from dspark.core.scheduler import ScheduledRequest, SchedulerOutput
 from dspark.errors import ConfigError
 from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM
+from dspark.sample.ops import SamplingRow, logits_to_probs
 from dspark.sample.rejection import VerifyRow, verify, verify_plain
-from dspark.sample.sampler import SampledRow, Sampler, SamplingRow
+from dspark.sample.sampler import SampledRow, Sampler
 from dspark.speculative.drafters.base import Drafter, Proposal
 from dspark.utils.numerics import padded_rows
 from dspark.utils.platform import triton_available
@@ -55,9 +56,8 @@ class Launched:
     tokens: torch.Tensor | None = None  # [n] int64 on the device: the sampling requests' tokens, in order
     download: Download | None = None
     request_ids: list[str] = field(default_factory=list)  # the sampling requests, in the order of tokens
-    # "greedy" or "temperature": every sampling request took that fast path (plain_greedy, plain_temperature). Both
-    # hold for good once they hold (only min_tokens, behind, can change them), so a step continuing this one's
-    # requests takes the same path without asking each request again.
+    # "greedy" or "temperature": the Request.sampling_path every sampling request has. A request's path never
+    # changes, so a step continuing (some of) this one's requests takes the same path without asking each again.
     plain: str | None = None
     # plain == "temperature": the rows' temperatures ([n] fp32 on the device), seeds and output positions (int64), for
     # a step that continues the same entries (engine._continuation) to reuse, its positions one further on.
@@ -206,16 +206,13 @@ class ModelRunner:
             if sampling:
                 rows = [query_start[r + 1] - 1 for r, s in enumerate(sched.scheduled) if s.samples]
                 known = previous.plain if previous is not None else None
-                if known == "greedy" or (known is None and all(plain_greedy(s.request, s.continues) for s in sampling)):
-                    # the sampler's own fast path (Sampler.tokens), without a SamplingRow per request and step
-                    launched.tokens = logits_of(rows)[: len(rows)].argmax(dim=-1)
-                    launched.plain = "greedy"
-                elif known == "temperature" or (
-                    known is None and all(plain_temperature(s.request, s.continues) for s in sampling)
-                ):
-                    launched.plain = "temperature"
+                launched.plain = known or _plain_path(sampling)
+                # The fast paths build no SamplingRow per request and step.
+                if launched.plain == "greedy":
+                    launched.tokens = self.sampler.greedy(logits_of(rows)[: len(rows)])
+                elif launched.plain == "temperature":
                     launched.temperature_rows = self._temperature_rows(sampling, previous)
-                    launched.tokens = self.sampler.plain_temperature(logits_of(rows), *launched.temperature_rows)
+                    launched.tokens = self.sampler.temperature(logits_of(rows), *launched.temperature_rows)
                 else:
                     launched.tokens = self.sampler.tokens(
                         logits_of(rows), [sampling_row(s.request, [0] if s.continues else None) for s in sampling]
@@ -378,7 +375,7 @@ class ModelRunner:
             rows += [sampling_row(s.request, s.spec_token_ids[:j]) for j in range(n + 1)]
             vrows.append(VerifyRow(s.request.seed, s.request.num_output_tokens, s.spec_token_ids, rows[-1].greedy))
         logits = logits_of(logit_rows)
-        target_probs = self.sampler.target_probs(logits[: len(rows)], rows)
+        target_probs = logits_to_probs(logits, rows)
         draft_probs = None
         if self.verify_method == "probabilistic" and not all(v.greedy for v in vrows):
             draft_probs = self._pending_probs(sampling)
@@ -400,17 +397,15 @@ class ModelRunner:
     def _verify_plain(
         self, sampling: list[tuple[int, ScheduledRequest]], logits_of: LogitsOf, query_start: list[int]
     ) -> RunnerOutput:
-        """_verify for requests that sample with a temperature alone or greedily (plain_greedy, plain_temperature, no
-        logprobs): decided on the device (verify_plain), the host reads two numbers a request in one copy."""
+        """_verify for requests on the greedy or temperature sampling path, without logprobs: decided on the device
+        (verify_plain), the host reads two numbers a request in one copy."""
         logit_rows: list[int] = []
         vrows: list[VerifyRow] = []
         for r, s in sampling:
             n = len(s.spec_token_ids)
             logit_rows += range(query_start[r + 1] - n - 1, query_start[r + 1])
-            p = s.request.sampling_params
-            vrows.append(
-                VerifyRow(s.request.seed, s.request.num_output_tokens, s.spec_token_ids, p.temperature < GREEDY_BELOW)
-            )
+            greedy = s.request.sampling_path == "greedy"
+            vrows.append(VerifyRow(s.request.seed, s.request.num_output_tokens, s.spec_token_ids, greedy))
         draft_probs = None
         if self.verify_method == "probabilistic" and not all(v.greedy for v in vrows):
             draft_probs = self._pending_probs(sampling)
@@ -444,7 +439,7 @@ class ModelRunner:
                 continue
             # Drafted in an all-greedy pass, verified beside a sampled row: greedy rows are verified by argmax and
             # never read their distribution, which that pass did not compute.
-            assert sampling_row(s.request).greedy, (
+            assert s.request.sampling_params.greedy, (
                 f"request {s.request.request_id}: sampled drafts without a distribution"
             )
             parts.append(torch.zeros(n, vocab, device=self.device))
@@ -470,35 +465,18 @@ class ModelRunner:
             release(request_id)
 
 
-def plain_greedy(req: Request, num_drafts: int = 0) -> bool:
-    """Whether the request's next token (after num_drafts more) is the raw logits' argmax: greedy, no penalties, no
-    banned tokens (min_tokens reached). The cases where sampling_row's row takes Sampler.tokens's argmax path, read
-    from the request without building the row (at C = 1024 a SamplingRow per request and step is ~1 ms of host
-    time on the 2-vCPU machine). NOTE: conservative: min_tokens not reached counts as banned even without stop
-    tokens; such rows take the full path, which gives the same token."""
-    p = req.sampling_params
-    return p.temperature < GREEDY_BELOW and not p.has_penalties and req.num_output_tokens + num_drafts >= p.min_tokens
-
-
-def plain_temperature(req: Request, num_drafts: int = 0) -> bool:
-    """Whether the request's next token (after num_drafts more) is drawn with a temperature alone: not greedy, no
-    top-k/p, min-p or penalties, nothing banned (Sampler.plain_temperature). Conservative as plain_greedy."""
-    p = req.sampling_params
-    return (
-        p.temperature >= GREEDY_BELOW
-        and p.top_k <= 0
-        and p.top_p >= 1.0
-        and p.min_p <= 0.0
-        and not p.has_penalties
-        and req.num_output_tokens + num_drafts >= p.min_tokens
-    )
+def _plain_path(sampling: list[ScheduledRequest]) -> str | None:
+    """The fast path every sampling request has ("greedy" or "temperature"), or None where they differ or any request
+    takes the general path."""
+    path = sampling[0].request.sampling_path
+    if path == "general" or any(s.request.sampling_path != path for s in sampling):
+        return None
+    return path
 
 
 def _plain_verify(req: Request) -> bool:
-    """Whether verification may take verify_plain for the request: every verified position samples with a
-    temperature alone or greedily, and no logprobs are returned (plain_greedy / plain_temperature at the first
-    position hold at every later one: min_tokens only gets reached)."""
-    return req.sampling_params.logprobs is None and (plain_greedy(req) or plain_temperature(req))
+    """Whether verification may take verify_plain for the request: a fast sampling path, and no logprobs."""
+    return req.sampling_path != "general" and req.sampling_params.logprobs is None
 
 
 def sampling_row(req: Request, drafts: list[int] | None = None) -> SamplingRow:

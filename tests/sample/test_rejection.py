@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark.sample.random import inverse_cdf, uniform
 from dspark.sample.rejection import VerifyRow, verify
-from dspark.sample.sampler import inverse_cdf, uniform
 
 V = 6
 

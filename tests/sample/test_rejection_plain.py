@@ -13,8 +13,9 @@ import torch
 from dspark import LLM, SamplingParams
 from dspark.config import GREEDY_BELOW
 from dspark.models.loader import load_config
+from dspark.sample.ops import SamplingRow, logits_to_probs
+from dspark.sample.random import inverse_cdf, uniform
 from dspark.sample.rejection import VerifyRow, verify, verify_plain
-from dspark.sample.sampler import Sampler, SamplingRow, inverse_cdf, uniform
 from dspark.speculative.drafters.dspark.checkpoint import random_drafter, save_drafter
 from dspark.speculative.drafters.dspark.config import DSparkConfig
 from dspark.worker import model_runner
@@ -62,7 +63,7 @@ def _case(rng: random.Random, gen: torch.Generator, method: str) -> tuple:
 
 
 def _expected(logits: torch.Tensor, draft_probs, rows, samp, method: str) -> list[list[int]]:
-    return verify(Sampler().target_probs(logits, samp), draft_probs, rows, method)
+    return verify(logits_to_probs(logits, samp), draft_probs, rows, method)
 
 
 def _emitted(logits: torch.Tensor, draft_probs, rows, temps, method: str) -> list[list[int]]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.sample.sampler import Sampler, SamplingRow, _apply_penalties, _penalised, mix_seed, uniform, uniforms
+from dspark.sample.ops import SamplingRow, apply_penalties, logits_to_probs, temperature_probs
+from dspark.sample.random import mix_seed, uniform, uniforms
+from dspark.sample.sampler import Sampler
 
 # Chi-square critical values at significance 1e-3 for 1..7 degrees of freedom. Draws are seeded, so a test that
 # passes once passes always; the level only bounds how unlucky a correct sampler could have been.
@@ -172,21 +174,21 @@ def test_penalties_follow_vllm_semantics_exactly() -> None:
     prompt, output = [0, 1, 1], [2, 3, 3, 6]
 
     x = base.clone()
-    _apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=output, repetition_penalty=2.0))
+    apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=output, repetition_penalty=2.0))
     # Every token seen in prompt or output, once: positive / 2, negative * 2; zero stays zero.
     assert x.tolist() == [1.0, -4.0, 0.5, -2.0, 0.5, 3.0, 0.0, -0.5]
 
     x = base.clone()
-    _apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=output, frequency_penalty=0.5))
+    apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=output, frequency_penalty=0.5))
     # Output tokens only, times their count: 2 once, 3 twice, 6 once; prompt tokens untouched.
     assert x.tolist() == [2.0, -2.0, 0.5, -2.0, 0.5, 3.0, -0.5, -0.5]
 
     x = base.clone()
-    _apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=output, presence_penalty=0.75))
+    apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=output, presence_penalty=0.75))
     assert x.tolist() == [2.0, -2.0, 0.25, -1.75, 0.5, 3.0, -0.75, -0.5]
 
     x = base.clone()
-    _apply_penalties(
+    apply_penalties(
         x,
         row(
             prompt_token_ids=prompt,
@@ -200,7 +202,7 @@ def test_penalties_follow_vllm_semantics_exactly() -> None:
     assert x.tolist() == pytest.approx([4.0, -1.0, 2.0 - 0.25 + 0.5, -0.5 - 0.5 + 0.5, 0.5, 3.0, 0.25, -0.5])
 
     x = base.clone()
-    _apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=[], presence_penalty=1.0, frequency_penalty=1))
+    apply_penalties(x, row(prompt_token_ids=prompt, output_token_ids=[], presence_penalty=1.0, frequency_penalty=1))
     assert x.tolist() == base.tolist()  # no output yet: nothing to penalise
 
 
@@ -268,9 +270,9 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
 
 
 def test_batched_inverse_cdf_equals_the_row_by_row_draw() -> None:
-    """inverse_cdf_rows (how sample() draws on an accelerator: one pass, one host copy) gives each row what
+    """inverse_cdf_rows (how draw() draws on an accelerator: one pass, one host copy) gives each row what
     inverse_cdf (the CPU path) gives that row alone, including rows with zeros (filtered tokens) and one-hot rows."""
-    from dspark.sample.sampler import inverse_cdf, inverse_cdf_rows, uniform
+    from dspark.sample.random import inverse_cdf, inverse_cdf_rows
 
     g = torch.Generator().manual_seed(3)
     probs = torch.softmax(torch.randn(64, 500, generator=g) * 3, dim=-1)
@@ -290,7 +292,8 @@ def test_vectorised_uniforms_have_the_scalar_bits() -> None:
     2**32, and the draft stream's [R, k] layout."""
     import random
 
-    from dspark.speculative.drafters.dspark.markov import DRAFT_STREAM, DraftRow, draft_uniforms
+    from dspark.sample.random import DRAFT_STREAM
+    from dspark.speculative.drafters.dspark.markov import DraftRow, draft_uniforms
 
     rng = random.Random(0)
     # SamplingParams.seed may be any signed 64-bit value: the scalar takes its two's-complement bits
@@ -311,8 +314,7 @@ def test_uniforms_on_tensors_have_the_same_bits() -> None:
     counters past 2**32 (on CUDA in tests/test_gpu.py)."""
     import random
 
-    from dspark.sample.sampler import uniforms_t
-    from dspark.speculative.drafters.dspark.markov import DRAFT_STREAM
+    from dspark.sample.random import DRAFT_STREAM, uniforms_t
 
     rng = random.Random(1)
     seeds = [0, 1, 2**63 - 1, 2**62 + 12345, -1, -(2**63)] + [rng.getrandbits(64) - 2**63 for _ in range(500)]
@@ -345,68 +347,93 @@ def test_negative_seeds_sample_and_verify() -> None:
     assert 0 <= Sampler().tokens(p[:1], [row]).item() < 30
 
 
-def test_plain_greedy_implies_the_samplers_argmax_path() -> None:
-    """ModelRunner skips building sampling rows when plain_greedy says the row is a plain argmax: whenever it does, the
-    row sampling_row builds takes Sampler.tokens's argmax path (greedy, nothing banned, no penalties); and it does
-    say so for the common greedy request."""
+def _fast_path(r: SamplingRow) -> str:
+    """The sampling path one row alone allows: what Request.sampling_path must agree with."""
+    if r.banned_token_ids or r.penalised:
+        return "general"
+    if r.greedy:
+        return "greedy"  # a greedy row's filters change nothing
+    return "general" if r.min_p > 0 or r.top_k > 0 or r.top_p < 1.0 else "temperature"
+
+
+def test_a_requests_sampling_path_is_what_its_rows_allow() -> None:
+    """Request.sampling_path, decided once, is the path the request's first sampling row allows, and every later row
+    (after more outputs or drafts) allows it too: the runner never has to ask again. The usual requests take a fast
+    path; one that may have a stop token banned (min_tokens) takes the general path for good."""
     import itertools
 
-    from dspark.config import SamplingParams
+    from dspark.config import GREEDY_BELOW, SamplingParams
     from dspark.core.request import Request
-    from dspark.worker.model_runner import plain_greedy, sampling_row
+    from dspark.worker.model_runner import sampling_row
 
-    said = 0
-    for temp, pen, min_tokens, ignore_eos, stops, num_out, drafts in itertools.product(
-        (0.0, 1e-6, 0.5), (0.0, 0.3), (0, 3), (False, True), ([], [7]), (0, 2, 5), (0, 1)
+    seen = set()
+    for temp, top_k, top_p, min_p, pen, min_tokens, ignore_eos, stops, eos in itertools.product(
+        (0.0, 1e-6, GREEDY_BELOW, 0.8),
+        (-1, 0, 5),
+        (1.0, 0.9),
+        (0.0, 0.1),
+        (0.0, 0.5),
+        (0, 3),
+        (False, True),
+        ([], [7]),
+        (2, None),
     ):
         params = SamplingParams(
-            temperature=temp, presence_penalty=pen, min_tokens=min_tokens, ignore_eos=ignore_eos, stop_token_ids=stops
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=1.0 + pen,
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            stop_token_ids=stops,
         )
-        req = Request("r", None, [1, 2, 3], params, seed=1, eos_token_id=2)
-        req.all_token_ids += [5] * num_out
-        row = sampling_row(req, [0] * drafts if drafts else None)
-        if plain_greedy(req, drafts):
-            said += 1
-            assert row.greedy and not row.banned_token_ids and not _penalised(row), (temp, pen, min_tokens, num_out)
-    assert said > 0
-    assert plain_greedy(Request("g", None, [1], SamplingParams(temperature=0.0), seed=0, eos_token_id=2))
+        req = Request("r", None, [1, 2, 3], params, seed=3, eos_token_id=eos)
+        case = (temp, top_k, top_p, min_p, pen, min_tokens, ignore_eos, stops, eos)
+        assert req.sampling_path == _fast_path(sampling_row(req)), case
+        seen.add(req.sampling_path)
+        if req.sampling_path == "general":
+            continue
+        for num_out, drafts in itertools.product((0, 2, 5), (0, 1, 3)):
+            req.all_token_ids[3:] = [9] * num_out
+            row = sampling_row(req, [0] * drafts if drafts else None)
+            assert _fast_path(row) == req.sampling_path, (case, num_out, drafts)
+            assert row.counter == num_out + drafts and row.seed == req.seed
+    assert seen == {"greedy", "temperature", "general"}
+
+    def path(**kw: object) -> str:
+        return Request("r", None, [1], SamplingParams(**kw), seed=0, eos_token_id=2).sampling_path  # type: ignore[arg-type]
+
+    assert path() == "temperature"  # the default request: top_k=-1, top_p=1, min_p=0
+    assert path(temperature=0.0) == "greedy"
+    assert path(temperature=0.0, min_tokens=3) == "general"  # its EOS is banned for 3 tokens
+    assert path(temperature=0.0, min_tokens=3, ignore_eos=True) == "greedy"  # nothing to ban
 
 
-def test_plain_temperature_rows_draw_what_the_full_sampler_draws() -> None:
-    """Sampler.plain_temperature gives Sampler.tokens's tokens for rows with only a temperature, and
-    model_runner.plain_temperature says so only for requests whose sampling row has nothing else."""
-    import itertools
-
-    from dspark.config import SamplingParams
-    from dspark.core.request import Request
-    from dspark.worker.model_runner import plain_temperature, sampling_row
+def test_fast_paths_give_the_general_paths_tokens() -> None:
+    """Sampler.greedy and Sampler.temperature give Sampler.tokens's tokens for the rows they serve (ragged seeds and
+    counters, padding rows past the last), and temperature_probs (what verify_plain and the drafter call) is
+    logits_to_probs for rows with a temperature alone or greedy ones, bit for bit."""
+    from dspark.sample.ops import softmax_temperatures
 
     g = torch.Generator().manual_seed(4)
-    logits = torch.randn(8, 40, generator=g) * 3
-    temps = [0.3, 1.0, 1.7, 0.9, 1.0, 2.5, 0.6, 1.2]
+    logits = torch.randn(10, 40, generator=g) * 3  # 2 padding rows
+    temps = [0.3, 1.0, 1.7, 0.9, 1.0, 2.5, 0.6, 1e-5]
     rows = [
         SamplingRow(t, 0, 1.0, 0.0, seed=-7 + 11 * i, counter=i * 5, prompt_token_ids=[], output_token_ids=[])
         for i, t in enumerate(temps)
     ]
     sampler = Sampler()
     want = sampler.tokens(logits, rows).tolist()
-    got = sampler.plain_temperature(logits, temps, [r.seed for r in rows], [r.counter for r in rows]).tolist()
-    assert got == want
-    said = 0
-    for temp, top_k, top_p, min_p, pen, min_tokens, drafts in itertools.product(
-        (0.0, 1e-6, 0.8), (-1, 0, 5), (1.0, 0.9), (0.0, 0.1), (0.0, 0.5), (0, 4), (0, 1)
-    ):
-        params = SamplingParams(
-            temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=1.0 + pen, min_tokens=min_tokens
-        )
-        req = Request("r", None, [1, 2], params, seed=3, eos_token_id=2)
-        req.all_token_ids += [9, 9]
-        row = sampling_row(req, [0] * drafts if drafts else None)
-        if plain_temperature(req, drafts):
-            said += 1
-            filtered = row.min_p > 0 or 0 < row.top_k or row.top_p < 1.0
-            assert not row.greedy and not filtered and not row.banned_token_ids and not _penalised(row)
-            assert row.counter == req.num_output_tokens + drafts and row.seed == req.seed
-    assert said > 0
-    # the default request (top_k=-1, top_p=1, min_p=0) takes the fast path
-    assert plain_temperature(Request("t", None, [1], SamplingParams(), seed=0, eos_token_id=2))
+    seeds, counters = [r.seed for r in rows], [r.counter for r in rows]
+    assert sampler.temperature(logits, torch.tensor(temps), seeds, counters).tolist() == want
+    assert len(set(want)) > 3  # drawn, not the argmax everywhere
+
+    greedy_rows = [row(temperature=0.0, top_k=5 * (i % 2), seed=i) for i in range(8)]
+    assert sampler.greedy(logits[:8]).tolist() == sampler.tokens(logits, greedy_rows).tolist()
+
+    mixed = [rows[i] if i % 3 else greedy_rows[i] for i in range(8)]
+    greedy = torch.tensor([r.greedy for r in mixed])
+    got = temperature_probs(logits[:8], torch.tensor(softmax_temperatures([r.temperature for r in mixed])), greedy)
+    assert torch.equal(got, logits_to_probs(logits, mixed))
+    assert torch.equal(got[greedy].argmax(-1), logits[:8][greedy].argmax(-1)) and bool((got[greedy].sum(-1) == 1).all())

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dspark.sample.random import inverse_cdf_rows, uniform
 from dspark.sample.rejection import VerifyRow, verify
-from dspark.sample.sampler import inverse_cdf_rows, uniform
 from dspark.speculative.budget import allocate, choose_budget, choose_budget_sync, survival
 from dspark.speculative.cost_model import CostModel
 

@@ -30,7 +30,7 @@ from dspark.attention.torch_ref import TorchAttention
 from dspark.core.request import Request
 from dspark.models.llama import CausalLM
 from dspark.models.loader import load_config, load_model
-from dspark.sample.sampler import inverse_cdf, uniform
+from dspark.sample.random import inverse_cdf, uniform
 from dspark.speculative.drafters.base import Proposal
 from dspark.speculative.drafters.dspark.checkpoint import load_drafter, random_drafter, save_drafter
 from dspark.speculative.drafters.dspark.config import DSparkConfig, default_target_layer_ids

@@ -15,7 +15,6 @@ import torch
 
 from dspark.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache, slots_for
 from dspark.attention.torch_ref import TorchAttention
-from dspark.config import GREEDY_BELOW
 from dspark.core.request import Request
 from dspark.models.llama import CausalLM
 from dspark.speculative.drafters.base import Proposal
@@ -104,10 +103,10 @@ class DSparkDrafter:
             seq_lens.append(anchor_pos + K)
             tables.append(req.block_ids)
             p = req.sampling_params
-            rows.append(DraftRow(req.seed, req.num_output_tokens, p.temperature, p.temperature < GREEDY_BELOW))
+            rows.append(DraftRow(req.seed, req.num_output_tokens, p.temperature, p.greedy))
         # NOTE: a pass whose rows are all greedy draws argmaxes only: no softmax, no inverse CDF (an fp64 scan of the
-        # vocabulary per draft: 75 us a call, 0.5 of the drafter's 1.3 ms at C = 1 on the H200, plain_step_trace.py)
-        # and no [R, k, vocab] distributions to copy out. Greedy rows are verified by argmax and never read them.
+        # vocabulary per draft) and no [R, k, vocab] distributions to copy out. Greedy rows are verified by argmax and
+        # never read them.
         sample = self.sample and not all(row.greedy for row in rows)
         key = self.graphs.pick(num_reqs) if self.graphs is not None else None
         if key is not None:

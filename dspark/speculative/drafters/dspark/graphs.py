@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dspark.attention.base import AttentionMetadata
+from dspark.sample.ops import softmax_temperatures
 from dspark.speculative.drafters.dspark.markov import DraftRow, draft_uniforms
 from dspark.utils.capture import capture_sizes
 
@@ -138,7 +139,7 @@ class DraftGraphs:
         h_draw[:rr] = 0.0
         h_draw[:rr, 1] = 1.0  # padding rows draw greedily (and are dropped)
         if rows is not None:
-            h_draw[:r, 0] = [1.0 if row.greedy else row.temperature for row in rows]
+            h_draw[:r, 0] = softmax_temperatures([row.temperature for row in rows])
             h_draw[:r, 1] = [float(row.greedy) for row in rows]
             if self.drafter.sample:
                 h_draw[:r, 2:] = draft_uniforms(rows, self.k)

@@ -14,11 +14,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from dspark.sample.sampler import inverse_cdf_rows, uniforms
+from dspark.sample.ops import softmax_temperatures, temperature_probs
+from dspark.sample.random import DRAFT_STREAM, inverse_cdf_rows, uniforms
 from dspark.speculative.drafters.dspark.confidence import ConfidenceHead
 from dspark.utils.transfer import upload, upload_tensor
-
-DRAFT_STREAM = 3  # the counter-based stream drafts are sampled from (0-2 belong to sampling and verification)
 
 
 class MarkovHead(nn.Module):
@@ -73,9 +72,9 @@ def draft_uniforms(rows: list[DraftRow], k: int) -> np.ndarray:
 def draw_inputs(
     rows: list[DraftRow], k: int, sample: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per request: the temperature ([R] fp32; 1 for greedy rows), whether it is greedy ([R] bool) and, when
-    sampling, every uniform of its block ([R, k] fp64), uploaded without a host sync."""
-    temps = upload([1.0 if r.greedy else r.temperature for r in rows], torch.float32, device)
+    """Per request: its softmax temperature ([R] fp32, softmax_temperatures), whether it is greedy ([R] bool) and,
+    when sampling, every uniform of its block ([R, k] fp64), uploaded without a host sync."""
+    temps = upload(softmax_temperatures([r.temperature for r in rows]), torch.float32, device)
     greedy = upload([r.greedy for r in rows], torch.bool, device)
     u_all = None
     if sample:
@@ -90,7 +89,7 @@ def sample_block_with(
     anchors: torch.Tensor,  # [R_pad] int64
     head: MarkovHead | None,
     confidence: ConfidenceHead | None,
-    temps: torch.Tensor,  # [R] fp32: the first R rows are requests, the rest padding
+    temps: torch.Tensor,  # [R] fp32, softmax_temperatures(): the first R rows are requests, the rest padding
     greedy: torch.Tensor,  # [R] bool
     u_all: torch.Tensor | None,  # [R, k] fp64; None: every draft is the argmax
 ) -> BlockDrafts:
@@ -109,13 +108,8 @@ def sample_block_with(
             conf.append(confidence.logit(h[:, j], e)[:num_reqs])
         top = torch.argmax(logits[:num_reqs], dim=-1)
         if u_all is not None:
-            q = torch.softmax(logits[:num_reqs] / temps[:, None], dim=-1)
-            # Greedy rows one-hot at their argmax, in place: masked_fill_ and a one-column scatter, not a one_hot
-            # ([R, vocab] int64, twice the softmax's bytes), a cast and a where over the whole table.
-            # NOTE: masks, not q[greedy] = ...: boolean indexing waits for the device to count the mask.
-            q.masked_fill_(greedy[:, None], 0.0)
-            at_top = top[:, None]
-            q.scatter_(1, at_top, torch.where(greedy[:, None], 1.0, q.gather(1, at_top)))
+            q = temperature_probs(logits[:num_reqs], temps, greedy, top)
+            # inverse_cdf_rows, not draw(): it reads no host value on any device, so a graph can capture it
             x = torch.where(greedy, top, inverse_cdf_rows(q, u_all[:, j]))
             probs.append(q)
         else:
