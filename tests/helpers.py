@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from dspark.config import SamplingParams
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -198,3 +200,34 @@ def hold_drafting(engine: Any) -> None:
     step plain (a CI run's n-gram server drafted nothing). For tests whose subject is speculation's output."""
     assert engine.planner is not None, "adaptive verification is off: there is no regime to hold"
     engine.planner.regime.held = True
+
+
+# A mixed workload for batch-invariance tests: prompts of these lengths, greedy and seeded sampled requests.
+BATCH_LENGTHS = [3, 9, 17, 31, 40, 64, 80, 100, 127, 150, 190, 220, 260, 300, 333, 380]
+
+
+def batch_workload(
+    seed: int, lengths: list[int], max_tokens: int, vocab: int = 49152
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    prompts[5] = prompts[-3][:64]  # a shared prefix: the prefix cache serves one from the other
+    params = []
+    for i in range(len(prompts)):
+        if i % 2 == 0:
+            params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens + i, ignore_eos=True))
+        else:
+            params.append(
+                SamplingParams(
+                    temperature=0.8 + 0.05 * i,
+                    top_p=0.9 if i % 3 else 1.0,
+                    top_k=50 if i % 4 == 1 else -1,
+                    min_p=0.02 if i % 5 == 1 else 0.0,
+                    repetition_penalty=1.1 if i % 3 == 1 else 1.0,
+                    frequency_penalty=0.3 if i % 4 == 3 else 0.0,
+                    seed=1000 + i,
+                    max_tokens=max_tokens + i,
+                    ignore_eos=True,
+                )
+            )
+    return prompts, params

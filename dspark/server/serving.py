@@ -17,6 +17,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from dspark.config import SamplingParams
+from dspark.engine.input_processor import ContextLengthError
 from dspark.errors import ConfigError
 from dspark.outputs import RequestOutput
 from dspark.server.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestGroup
@@ -63,20 +64,22 @@ class ServedModel:
         return requested
 
     def check_prompt(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise invalid(param, "", "must not be empty")
-        limit = self.engine.max_model_len
-        if len(ids) >= limit:
+        """The engine's own prompt checks (engine/input_processor.py), answered as OpenAI's API answers them."""
+        try:
+            self.engine.engine.input_processor.check_prompt(ids, param)
+        except ContextLengthError as e:
             raise APIError(
                 400,
-                f"{param} has {len(ids)} tokens; this model's maximum context length is {limit} tokens, so a prompt "
-                f"may have at most {limit - 1} (one must be left to generate)",
+                f"{param} has {e.num_tokens} tokens; this model's maximum context length is {e.max_model_len} tokens, "
+                f"so a prompt may have at most {e.max_model_len - 1} (one must be left to generate)",
                 param,
                 "context_length_exceeded",
-            )
+            ) from None
+        except ConfigError as e:
+            raise invalid(param, "", e.allowed) from None
 
     def encode(self, text: str) -> list[int]:
-        return list(self.engine.tokenizer.encode(text, add_special_tokens=True))
+        return self.engine.engine.input_processor.encode(text)
 
 
 def sampling_params(

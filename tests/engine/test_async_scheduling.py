@@ -149,22 +149,22 @@ def test_seeded_sampling_and_stop_tokens(engines: dict[bool, LLM]) -> None:
 
 def test_eos_ends_a_request_mid_run(engines: dict[bool, LLM]) -> None:
     """A continued step appends a token that cannot end its request without the rest of output processing
-    (engine._process_continued); the request's EOS still ends it there, as in the synchronous engine, and with
+    (EngineCore._update_continued); the request's EOS still ends it there, as in the synchronous engine, and with
     ignore_eos the same token does not. The engines' EOS is set to a token the greedy output reaches mid-run (the
     tiny model's own EOS is drawn too rarely to test)."""
     prompts = _prompts(3, [7, 12])
     free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     ids = _both(engines, prompts[1:], [free])[0][False][0].outputs[0].token_ids
     eos = next(t for i, t in enumerate(ids) if i >= 5 and t not in ids[:i])  # its first appearance, well into the run
-    saved = {mode: llm.engine.eos_token_id for mode, llm in engines.items()}
+    saved = {mode: llm.engine.input_processor.eos_token_id for mode, llm in engines.items()}
     try:
         for llm in engines.values():
-            llm.engine.eos_token_id = eos
+            llm.engine.input_processor.eos_token_id = eos
         params = [SamplingParams(temperature=0.0, max_tokens=30), SamplingParams(temperature=0.0, max_tokens=30), free]
         outs, num_pipelined = _both(engines, [prompts[0], prompts[1], prompts[1]], params)
     finally:
         for mode, llm in engines.items():
-            llm.engine.eos_token_id = saved[mode]
+            llm.engine.input_processor.eos_token_id = saved[mode]
     assert num_pipelined > 0, "async scheduling never pipelined a step"
     stopped, ignored = outs[False][1].outputs[0], outs[False][2].outputs[0]
     assert stopped.token_ids == ids[: ids.index(eos) + 1] and stopped.finish_reason == "stop"
@@ -441,11 +441,11 @@ def test_a_continued_step_that_drafts_is_not_measured_as_plain(
     (the first of its drafting run, which no event times), the plain ones as plain steps."""
     model = str(tiny_model_dirs["llama"])
     llm = _alternating_dspark(model, tmp_path, dtype="float32", max_model_len=256, num_kv_blocks=256)
-    engine, planner = llm.engine, llm.engine.planner
-    assert planner is not None and planner.cost is not None
+    engine, planner, timer = llm.engine, llm.engine.planner, llm.engine.core.timer
+    assert planner is not None and planner.cost is not None and timer is not None
     seen: list[tuple[str, bool, bool]] = []  # (what the step ran, verified, drafted) of what continued steps reported
     priced: list[tuple[str, bool]] = []  # (what the step ran, speculative) of what they told the cost model
-    observe, finished, cost_observe = planner.regime.observe, planner.continued_step_finished, planner.cost.observe
+    observe, finished, cost_observe = planner.regime.observe, timer.continued_step_finished, planner.cost.observe
     inside = {"on": False}
 
     def spy_observe(n: int, verified: bool, drafted: bool, tokens: int, ms: float) -> None:
@@ -467,7 +467,7 @@ def test_a_continued_step_that_drafts_is_not_measured_as_plain(
 
     planner.regime.observe = spy_observe  # type: ignore[method-assign]
     planner.cost.observe = spy_cost  # type: ignore[method-assign]
-    planner.continued_step_finished = spy_finished  # type: ignore[method-assign]
+    timer.continued_step_finished = spy_finished  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     llm.generate(_prompts(11, [5, 9, 14]), params)
     kinds = {kind for kind, _, _ in seen}
@@ -485,10 +485,10 @@ def test_every_plain_step_of_a_pipelined_run_is_measured(tiny_model_dirs: dict[s
     row drafted in 25 steps, its level's plain rate unknown)."""
     model = str(tiny_model_dirs["llama"])
     llm = _alternating_dspark(model, tmp_path, dtype="float32", max_model_len=256, num_kv_blocks=256)
-    engine, planner = llm.engine, llm.engine.planner
-    assert planner is not None
+    engine, planner, timer = llm.engine, llm.engine.planner, llm.engine.core.timer
+    assert planner is not None and timer is not None
     continued_plain, measured_plain = [0], [0]
-    observe, finished = planner.regime.observe, planner.continued_step_finished
+    observe, finished = planner.regime.observe, timer.continued_step_finished
     inside = {"on": False}
 
     def spy_observe(n: int, verified: bool, drafted: bool, tokens: int, ms: float) -> None:
@@ -505,7 +505,7 @@ def test_every_plain_step_of_a_pipelined_run_is_measured(tiny_model_dirs: dict[s
             inside["on"] = False
 
     planner.regime.observe = spy_observe  # type: ignore[method-assign]
-    planner.continued_step_finished = spy_finished  # type: ignore[method-assign]
+    timer.continued_step_finished = spy_finished  # type: ignore[method-assign]
     llm.generate(_prompts(13, [6, 11]), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
     # every pipelined run here is one step launched alone and continued steps: each continued plain step is measured
     assert continued_plain[0] >= 10 and measured_plain[0] == continued_plain[0]
@@ -568,17 +568,17 @@ def test_the_regime_hears_only_the_tokens_a_continued_step_kept(untied_model: st
     )[0]
     stop = ref.outputs[0].token_ids[12]
     llm = _plain_adaptive_ngram(untied_model)
-    planner = llm.engine.planner
-    assert planner is not None
+    timer = llm.engine.core.timer
+    assert timer is not None
     reported = []
     for name in ("step_finished", "continued_step_finished"):
-        real = getattr(planner, name)
+        real = getattr(timer, name)
 
         def spy(*args: Any, _real: Any = real, **kwargs: Any) -> None:
             reported.append(args[1])  # num_emitted, the second argument of both
             _real(*args, **kwargs)
 
-        setattr(planner, name, spy)
+        setattr(timer, name, spy)
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True) for _ in prompts]
     params[0] = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop])
     before = llm.engine.stats["num_generation_tokens"]
@@ -616,15 +616,15 @@ def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, 
     import time
 
     llm = _plain_adaptive_ngram(untied_model, async_scheduling=async_scheduling)
-    engine, planner = llm.engine, llm.engine.planner
-    assert planner is not None and planner.cost is not None
-    finish = engine._finish
+    core, planner, timer = llm.engine.core, llm.engine.planner, llm.engine.core.timer
+    assert planner is not None and planner.cost is not None and timer is not None
+    finish = core._finish
 
     def slow_finish(*args: Any, **kwargs: Any) -> None:
         time.sleep(0.3)
         finish(*args, **kwargs)
 
-    engine._finish = slow_finish  # type: ignore[method-assign]
+    core._finish = slow_finish  # type: ignore[method-assign]
     observed: list[float] = []
     priced: list[float] = []
     observe, cost_observe = planner.regime.observe, planner.cost.observe
@@ -633,10 +633,10 @@ def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, 
     ending_steps = [0]  # steps that ended a request and were timed
     dropped = [0]  # those that reached neither the regime nor the cost model
     name = "continued_step_finished" if async_scheduling else "step_finished"
-    finished = getattr(planner, name)
+    finished = getattr(timer, name)
 
     def spy(*args: Any, ending_ms: float = 0.0, **kwargs: Any) -> None:
-        timed = planner._last_continued is not None if async_scheduling else planner._step_start is not None
+        timed = timer._last_continued is not None if async_scheduling else timer._step_start is not None
         before = (len(observed), len(priced))
         finished(*args, ending_ms=ending_ms, **kwargs)
         planner.timing.harvest(planner.cost, planner.regime)  # type: ignore[arg-type]
@@ -648,7 +648,7 @@ def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, 
             new = observed[before[0] :] + priced[before[1] :]
             assert all(ms < 150 for ms in new), f"a step's ending work reached the regime or the cost model: {new}"
 
-    setattr(planner, name, spy)
+    setattr(timer, name, spy)
     prompts = _prompts(5, [6, 9, 4])
     # they end at different steps, each while the others decode on (in a pipelined run when async)
     params = [SamplingParams(temperature=0.0, max_tokens=20 + 6 * i, ignore_eos=True) for i in range(len(prompts))]

@@ -6,44 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from dspark import LLM, SamplingParams
-
-LENGTHS = [3, 9, 17, 31, 40, 64, 80, 100, 127, 150, 190, 220, 260, 300, 333, 380]
-
-
-def _workload(
-    seed: int, lengths: list[int], max_tokens: int, vocab: int = 49152
-) -> tuple[list[list[int]], list[SamplingParams]]:
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-    prompts[5] = prompts[-3][:64]  # a shared prefix: the prefix cache serves one from the other
-    params = []
-    for i in range(len(prompts)):
-        if i % 2 == 0:
-            params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens + i, ignore_eos=True))
-        else:
-            params.append(
-                SamplingParams(
-                    temperature=0.8 + 0.05 * i,
-                    top_p=0.9 if i % 3 else 1.0,
-                    top_k=50 if i % 4 == 1 else -1,
-                    min_p=0.02 if i % 5 == 1 else 0.0,
-                    repetition_penalty=1.1 if i % 3 == 1 else 1.0,
-                    frequency_penalty=0.3 if i % 4 == 3 else 0.0,
-                    seed=1000 + i,
-                    max_tokens=max_tokens + i,
-                    ignore_eos=True,
-                )
-            )
-    return prompts, params
+from helpers import BATCH_LENGTHS, batch_workload
 
 
 def _check_batch_invariance(
-    model: str, max_model_len: int, num_kv_blocks: int, lengths: list[int] = LENGTHS, max_tokens: int = 20
+    model: str, max_model_len: int, num_kv_blocks: int, lengths: list[int] = BATCH_LENGTHS, max_tokens: int = 20
 ) -> None:
-    prompts, params = _workload(7, lengths, max_tokens)
+    prompts, params = batch_workload(7, lengths, max_tokens)
     alone_llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, num_kv_blocks=512)
     alone = [alone_llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params, strict=True)]
 
@@ -74,7 +45,7 @@ def test_tiny_model_batch_invariance(family: str, tiny_model_dirs: dict[str, Pat
 @pytest.mark.slow
 def test_smollm2_batch_invariance() -> None:
     # 16 requests as for the tiny models, shorter, so the real model stays within the CI budget.
-    lengths = [n // 4 + 2 for n in LENGTHS]
+    lengths = [n // 4 + 2 for n in BATCH_LENGTHS]
     _check_batch_invariance("smollm2-135m-instruct", max_model_len=160, num_kv_blocks=20, lengths=lengths, max_tokens=8)
 
 

@@ -77,7 +77,7 @@ def engines(target: Path, drafter: Path) -> Callable[[str], LLMEngine]:
         if spec not in built:
             built[spec] = make_engine(target, drafter, spec)
         engine = built[spec]
-        engine.abort_request(list(engine._tracked))  # what a failed test may have left
+        engine.abort_request(list(engine.output_processor.states))  # what a failed test may have left
         return engine
 
     return get
@@ -101,7 +101,7 @@ def test_a_fault_in_one_requests_output_fails_it_alone(
     before = engine.get_metrics()
     for rid, prompt in PROMPTS.items():
         engine.add_request(prompt, PARAMS, rid)
-    detok = engine._tracked["b"].detok
+    detok = engine.output_processor.states["b"].detok
     real_add = detok.add
     calls = {"n": 0}
 
@@ -151,7 +151,7 @@ def test_a_fault_while_finishing_a_final_only_request(
     def add_all(ids: list[int]) -> str:
         raise ValueError("no such token")
 
-    monkeypatch.setattr(engine._tracked["b"].detok, "add_all", add_all)
+    monkeypatch.setattr(engine.output_processor.states["b"].detok, "add_all", add_all)
     finals: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         finals.update((o.request_id, o) for o in engine.step() if o.finished)

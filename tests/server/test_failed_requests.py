@@ -40,7 +40,7 @@ def poisoned(server: tuple[str, LLMEngine], monkeypatch: pytest.MonkeyPatch) -> 
     def add_request(prompt: Any, params: Any = None, request_id: str | None = None) -> str:
         rid = real_add(prompt, params, request_id)
         if list(prompt) == poison:
-            detok = engine._tracked[rid].detok
+            detok = engine.output_processor.states[rid].detok
             calls = {"n": 0}
 
             def failing(real: Any) -> Any:

@@ -16,6 +16,7 @@ from dspark.speculative.budget import drafting_verdict
 from dspark.speculative.cost_model import OUTLIER_RATIO, CostModel, RefinedCostModel
 from dspark.speculative.planner import VerificationPlanner
 from dspark.speculative.regime import BURST, FIRST_PERIOD
+from dspark.speculative.step_timer import StepTimer
 
 K = 4
 CPU = torch.device("cpu")
@@ -267,18 +268,21 @@ def _ramp(
     every draft accepted up to its first rejection as the survivals say (rounded). Returns the drafting choices (one
     per step) and the planner."""
     import dspark.speculative.planner as planner_module
+    import dspark.speculative.step_timer as timer_module
 
     clock = _Clock()
     monkeypatch.setattr(planner_module, "time", clock)
+    monkeypatch.setattr(timer_module, "time", clock)
     cost = cost or CostModel.from_points({1: 1.01, 1024: 11.24}, {1: 0.1, 1024: 0.2})
     planner = VerificationPlanner(K, "async", 0.0, cost, CPU)
+    timer = StepTimer(planner)
     loads = loads or [16] * 2 + [40] * 2 + [100] * 2 + [200] * 2 + [256] * 250
     choices, drafted = [], False
     accepted = round(sum(conf ** (j + 1) for j in range(K)))
     for r in loads:
         reqs = [_request(f"r{i}") for i in range(r)]
         ids = [q.request_id for q in reqs]
-        planner.step_started()
+        timer.step_started()
         sched = _sched(reqs) if drafted else SchedulerOutput([ScheduledRequest(q, 1) for q in reqs])
         planner.plan(sched)
         verified = [len(s.spec_token_ids) for s in sched.scheduled]
@@ -292,7 +296,7 @@ def _ramp(
             planner.observe(ids, [K] * r, torch.full((r, K), conf))
             factor = draft_cost(r) if callable(draft_cost) else draft_cost
             clock.now += (factor - 1.0) * plain_ms / 1e3
-        planner.step_finished(drafted, emitted)
+        timer.step_finished(drafted, emitted)
         choices.append(drafted)
     return choices, planner
 
@@ -363,15 +367,18 @@ def test_continued_steps_price_both_regimes(monkeypatch: pytest.MonkeyPatch) -> 
     next choice already knows what drafting costs (on the H200 at T = 1 it learned that a step later, after one more
     drafting step)."""
     import dspark.speculative.planner as planner_module
+    import dspark.speculative.step_timer as timer_module
 
     clock = _Clock()
     monkeypatch.setattr(planner_module, "time", clock)
+    monkeypatch.setattr(timer_module, "time", clock)
     cost = CostModel.from_points({1: 1.0, 64: 1.0}, {1: 0.5, 64: 0.5})
     planner = VerificationPlanner(K, "async", 0.0, cost, CPU)
+    timer = StepTimer(planner)
     assert planner.cost is not None
     for ms, drafted in [(0.0, False), (0.8, False), (0.8, False), (6.0, True)]:
         clock.now += ms / 1e3
-        planner.continued_step_finished(16, 16, chain_goes_on=not drafted, drafted=drafted)
+        timer.continued_step_finished(16, 16, chain_goes_on=not drafted, drafted=drafted)
     assert planner.cost.overhead_ms(16, speculative=False) == pytest.approx(-0.2)
     assert planner.cost.spec.count
     assert planner.cost.overhead_ms(16) == pytest.approx(6.0 - 1.5)  # measured minus the plain pass and drafting
@@ -383,13 +390,14 @@ def test_a_step_with_a_prompt_chunk_is_not_a_regime_measurement() -> None:
     """A prefill step is slow for reasons neither regime has: counted as a plain step it made plain decoding look
     slower than drafting on the H200 (a level's first step is its requests' prefill). Decode steps do count."""
     planner = VerificationPlanner(K, "async", 0.0, _pays_for_sure_drafts(), CPU)
+    timer = StepTimer(planner)
     prompt = Request("p", None, [1, 2, 3, 4, 5, 6], SamplingParams(), 0, None)  # nothing computed: a whole prompt
     decoding = _request("d")
 
     def step(sched: SchedulerOutput) -> None:
-        planner.step_started()
+        timer.step_started()
         planner.plan(sched)
-        planner.step_finished(drafted=False, num_emitted=len(sched.scheduled))
+        timer.step_finished(drafted=False, num_emitted=len(sched.scheduled))
 
     step(SchedulerOutput([ScheduledRequest(prompt, 6), ScheduledRequest(decoding, 1)]))
     step(SchedulerOutput([ScheduledRequest(decoding, 1)]))
@@ -429,13 +437,14 @@ def test_runs_of_plain_steps_are_timed_only_every_few_steps() -> None:
     """On CUDA a plain step's timing costs ~4% of it, so a run of plain steps is sampled (every 4th); the plain steps
     right after steps with drafts are always timed, so a regime burst still measures plain decoding."""
     planner = VerificationPlanner(K, "async", 0.0, _pays_for_sure_drafts(), CPU)
-    planner.plain_timing_every = 4  # as on CUDA
+    timer = StepTimer(planner)
+    timer.plain_timing_every = 4  # as on CUDA
     req = _request("a")
 
     def plain_step() -> None:
-        planner.step_started()
+        timer.step_started()
         planner.plan(SchedulerOutput([ScheduledRequest(req, 1)]))
-        planner.step_finished(drafted=False, num_emitted=1)
+        timer.step_finished(drafted=False, num_emitted=1)
 
     def timed() -> int:
         planner.timing.harvest(planner.cost, planner.regime)  # type: ignore[arg-type]
@@ -445,11 +454,11 @@ def test_runs_of_plain_steps_are_timed_only_every_few_steps() -> None:
         plain_step()
     assert timed() == 10  # one step in four
     _observe(planner, ["a"], 0.9)  # drafts to verify next step
-    planner.step_started()
+    timer.step_started()
     sched = _sched([req])
     planner.plan(sched)
     planner.record([("a", len(sched.scheduled[0].spec_token_ids), 0)])
-    planner.step_finished(drafted=False, num_emitted=1)
+    timer.step_finished(drafted=False, num_emitted=1)
     assert timed() == 11  # a step with drafts is always timed
     for _ in range(4):
         plain_step()
@@ -464,15 +473,16 @@ def test_published_copies_do_not_pile_up(mode: str) -> None:
     """Every drafting pass publishes its survivals to the host (pinned memory on CUDA); old copies are dropped in
     every mode. In fixed mode nothing harvested them, and they piled up for the engine's life."""
     planner = VerificationPlanner(K, mode, 0.0, _pays_for_sure_drafts(), CPU)
+    timer = StepTimer(planner)
     reqs = [_request("a"), _request("b")]
     for step in range(50):
         planner.observe(["a", "b"], [K, 2], torch.full((2, K), 0.5 + step / 200))
-        planner.step_started()
+        timer.step_started()
         sched = _sched(reqs)
         planner.plan(sched)
         planner.should_draft(["a", "b"])
         planner.record([(s.request.request_id, len(s.spec_token_ids), 1) for s in sched.scheduled])
-        planner.step_finished(drafted=True, num_emitted=4)
+        timer.step_finished(drafted=True, num_emitted=4)
     assert len(planner._copies) <= 2
     assert planner.calibration.num_blocks > 0 and planner.calibration.predicted > 0
 
@@ -582,19 +592,22 @@ def test_ending_work_is_taken_out_and_the_wait_it_ate_given_back(monkeypatch: py
     was nearly all ending work (4.9 of 5 ms) is no measurement at all. After a step launched alone that ended requests
     (its wait, its whole device time, says nothing of the next one's), the first continued step is not measured."""
     import dspark.speculative.planner as planner_module
+    import dspark.speculative.step_timer as timer_module
 
     clock = _Clock()
     monkeypatch.setattr(planner_module, "time", clock)
+    monkeypatch.setattr(timer_module, "time", clock)
     planner = VerificationPlanner(K, "async", 0.0, CostModel.from_points({1: 1.0, 64: 1.0}, {1: 0.5, 64: 0.5}), CPU)
+    timer = StepTimer(planner)
     seen: list[float] = []
     observe = planner.regime.observe
     planner.regime.observe = lambda n, v, d, tokens, ms: (seen.append(ms), observe(n, v, d, tokens, ms))  # type: ignore[method-assign]
 
     def continued(interval: float, ending: float = 0.0, wait: float = 0.6) -> None:
         clock.now += interval / 1e3
-        planner.continued_step_finished(16, 16, chain_goes_on=True, drafted=False, ending_ms=ending, wait_ms=wait)
+        timer.continued_step_finished(16, 16, chain_goes_on=True, drafted=False, ending_ms=ending, wait_ms=wait)
 
-    planner.step_finished(drafted=False, num_emitted=16, chain_starts=True, wait_ms=0.9)  # a run starts
+    timer.step_finished(drafted=False, num_emitted=16, chain_starts=True, wait_ms=0.9)  # a run starts
     for interval, ending, wait in [(1.0, 0.0, 0.6), (4.0, 3.0, 0.6), (0.4, 0.0, 0.0), (1.0, 0.0, 0.6), (5.0, 4.9, 0.6)]:
         continued(interval, ending, wait)
     assert seen == pytest.approx([1.0, 1.0, 1.0, 1.0])
@@ -603,7 +616,7 @@ def test_ending_work_is_taken_out_and_the_wait_it_ate_given_back(monkeypatch: py
     continued(0.9, ending=0.5, wait=0.6)  # the next step's wait does not shrink: nothing to give back to it
     continued(1.0)
     assert seen[-2:] == pytest.approx([0.4, 1.0])
-    planner.step_finished(drafted=False, num_emitted=16, chain_starts=True, ending_ms=2.0, wait_ms=0.9)
+    timer.step_finished(drafted=False, num_emitted=16, chain_starts=True, ending_ms=2.0, wait_ms=0.9)
     continued(0.4, wait=0.0)
     assert len(seen) == 7  # not measured
     continued(1.0)

@@ -80,7 +80,7 @@ def _run_until_rejections(
     reqs = []
     for prompt in prompts:
         rid = engine.add_request(prompt, params)
-        reqs.append(engine._tracked[rid].request)
+        reqs.append(engine.core.requests[rid])
     rejected_positions: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     for _ in range(steps):
         before = {r.request_id: (r.num_tokens, len(r.spec_token_ids)) for r in engine.scheduler.running}
@@ -102,7 +102,7 @@ def _fresh_snapshot(fresh: LLMEngine, tokens: list[int]) -> Snapshot:
     """Prefill exactly `tokens` in one step of a fresh engine and read its caches at the request's slots."""
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # 2: still running after the step
     rid = fresh.add_request(tokens, params)
-    req = fresh._tracked[rid].request
+    req = fresh.core.requests[rid]
     fresh.step()
     assert req.num_computed_tokens == len(tokens) and not req.status.finished
     snap = _snapshot(fresh, req)

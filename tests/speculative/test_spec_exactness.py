@@ -134,7 +134,8 @@ def test_strict_verification_keeps_seeded_sampling_identical(
 def test_rejection_sampling_output_does_not_depend_on_the_batch(
     tiny_model_dirs: dict[str, Path], drafters: dict[str, Path]
 ) -> None:
-    from test_batch_invariance import LENGTHS, _workload
+    from helpers import BATCH_LENGTHS as LENGTHS
+    from helpers import batch_workload as _workload
 
     model = str(tiny_model_dirs["llama"])
     # Fixed k: adaptive verification sizes each request's verification by what else is in the batch (by design), so a

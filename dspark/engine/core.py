@@ -1,0 +1,605 @@
+"""EngineCore: the step loop. Scheduler, model runner and speculative planning, in token ids only.
+
+Each step: schedule (or continue the step launched ahead), plan the verification budget, launch on the device, launch
+the next step before this one's tokens reach the host where nothing the host decides can change it (async
+scheduling), collect, append each request's tokens (ending those a token ends: EOS, a stop token id, max_tokens,
+max_model_len), draft for the next step, and time the step for the planner. Its inputs (EngineCoreRequest, aborts,
+stops) and outputs (EngineCoreOutput) are plain data: text is the front's (engine/output_processor.py), so the core
+can run in its own process.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark.config import EngineConfig, SamplingParams
+from dspark.core.kv_cache import KVCacheManager
+from dspark.core.request import Request, RequestStatus
+from dspark.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from dspark.engine.messages import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from dspark.errors import DSparkError
+from dspark.models.registry import resolve_model
+from dspark.sample.sampler import SampledRow
+from dspark.speculative.cost_model import CostModel
+from dspark.speculative.planner import VerificationPlanner
+from dspark.speculative.step_timer import StepTimer
+from dspark.speculative.trace import TraceWriter
+from dspark.worker.model_runner import Launched, RunnerOutput
+from dspark.worker.profiler import load_or_profile
+from dspark.worker.worker import Worker
+
+logger = logging.getLogger("dspark")
+
+
+def _reads_tokens(p: SamplingParams) -> bool:
+    """Sampling that reads the request's tokens or returns logprobs: its next step cannot be launched before its last
+    token reaches the host."""
+    return p.has_penalties or p.logprobs is not None
+
+
+def step_kind(has_chunk: bool, verified: bool, drafted: bool) -> str:
+    """ "prefill" (the step fed a prompt chunk), else "plain", "verify+draft", "verify" or "draft"."""
+    if has_chunk:
+        return "prefill"
+    if verified:
+        return "verify+draft" if drafted else "verify"
+    return "draft" if drafted else "plain"
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, cost_model: CostModel | None = None) -> None:
+        """cost_model: the step-cost curves adaptive verification plans with; None: profiled at start-up (or loaded
+        from the cache, where this model, drafter, device and grid were profiled before)."""
+        # An earlier engine's objects were frozen (below): thaw and collect them, so that its memory (and its
+        # device memory, for the KV-cache sizing) is back before this one is built.
+        gc.unfreeze()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.config = config
+        self.worker = worker = Worker(config)
+        self.device, self.dtype = worker.device, worker.dtype
+        self.max_model_len = worker.max_model_len
+        self.num_spec_tokens = worker.num_spec_tokens
+        self.runner = worker.runner
+        self.spec = config.spec
+        self.kv = KVCacheManager(worker.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, worker.num_lookahead_tokens
+        )
+        self.planner = self._make_planner(cost_model) if self.spec is not None else None
+        self.timer = StepTimer(self.planner) if self.planner is not None else None
+        self.trace = (
+            TraceWriter(Path(self.spec.trace_path), self._trace_header())
+            if self.spec is not None and self.spec.trace_path
+            else None
+        )
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        # Everything built so far (model, graphs, caches) lives as long as the engine. Frozen, the cyclic GC stops
+        # re-scanning it on the collections the per-step objects trigger (vLLM freezes after start-up too). A frozen
+        # cycle is never collected, so the next engine's construction thaws everything first.
+        gc.collect()
+        gc.freeze()
+        self.last_step_kind = ""  # what the last step ran (step_kind)
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        )
+        self._inflight: Launched | None = None  # async scheduling: a step launched and not collected yet
+        self._ending_ms = 0.0  # the last step's host time spent ending requests (see _finish)
+        # The last step, until end_step() times it: (continued, requests served, tokens emitted, drafted, wait ms)
+        self._ended: tuple[bool, int, int, bool, float] | None = None
+        self.stats = {
+            "num_generation_tokens": 0,
+            "num_steps": 0,
+            "num_pipelined_steps": 0,  # steps launched before the previous one was collected (async scheduling)
+            "spec_decode_num_drafts": 0,
+            "spec_decode_num_draft_tokens": 0,
+            "spec_decode_num_accepted_tokens": 0,
+        }
+        self.accepted_per_pos = [0] * self.num_spec_tokens
+
+    @property
+    def info(self) -> EngineCoreInfo:
+        mcfg = self.worker.model_config
+        return EngineCoreInfo(
+            mcfg.vocab_size,
+            self.max_model_len,
+            mcfg.eos_token_id,
+            self.num_spec_tokens,
+            str(self.device),
+            str(self.dtype),
+        )
+
+    def _make_planner(self, cost_model: CostModel | None) -> VerificationPlanner:
+        spec, worker = self.spec, self.worker
+        assert spec is not None
+        mode = spec.adaptive_verification_mode if spec.enable_adaptive_verification else "fixed"
+        if mode != "fixed" and cost_model is None:
+            identity: dict[str, Any] = {
+                "model": str(resolve_model(self.config.model)),
+                "drafter": spec.method + (f":{worker.drafter_path()}" if spec.method == "dspark" else ""),
+                "verify": self.runner.verify_method,
+                "dtype": str(self.dtype),
+                "max_model_len": self.max_model_len,
+            }
+            if self.config.batch_invariant and self.device.type == "cuda":  # other kernels, other step costs
+                identity["batch_invariant"] = True
+            cost_model = load_or_profile(
+                self.runner,
+                self.num_spec_tokens,
+                self.config.max_num_seqs,
+                self.config.max_num_batched_tokens,
+                identity,
+                log=lambda msg: logger.info(msg),
+            )
+        strata = getattr(self.runner.drafter, "num_strata", 1)
+        return VerificationPlanner(
+            self.num_spec_tokens, mode, spec.adaptive_verification_ema_alpha, cost_model, self.device, strata
+        )
+
+    def _trace_header(self) -> dict[str, Any]:
+        assert self.spec is not None and self.planner is not None
+        cfg = self.worker.dspark_model.config if self.worker.dspark_model is not None else None
+
+        def scaling(key: str) -> list[float] | None:
+            values = getattr(cfg, key, None)
+            return None if values is None else list(values)
+
+        return {
+            "K": self.num_spec_tokens,
+            "method": self.spec.method,
+            "drafter": str(self.worker.drafter_path()) if self.spec.method == "dspark" else None,
+            # The confidences are recorded calibrated: what undoes them (train/calibrate.py) must know with what.
+            "sts_temperatures": scaling("sts_temperatures"),
+            "sts_biases": scaling("sts_biases"),
+            "model": self.config.model,
+            "device": str(self.device),
+            "dtype": str(self.dtype),
+            "mode": self.planner.mode,
+        }
+
+    # ---- requests -------------------------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request the front has checked (engine/input_processor.py)."""
+        req = Request(
+            request.request_id,
+            None,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.seed,
+            request.eos_token_id,
+            request.arrival_time,
+        )
+        req.end_at = min(req.end_at, self.max_model_len)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, stops: Sequence[tuple[str, int]]) -> None:
+        """The front ended these requests (a stop string, or a fault in its output): (request id, how many of the
+        tokens it was last sent it dropped). Those tokens are not counted as generated; a request still running is
+        finished now."""
+        for rid, num_dropped in stops:
+            self.stats["num_generation_tokens"] -= num_dropped
+            req = self.requests.get(rid)
+            if req is not None:
+                start = time.perf_counter()
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                self._ending_ms += (time.perf_counter() - start) * 1e3
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one batch; return an output for every request that emitted tokens the front reads now (Request.streams)
+        or finished. The step is timed once end_step() says its outputs are processed (the next step() does it
+        otherwise).
+
+        A fault of the step (the model runner, drafting) propagates from here, leaving the requests in flight to the
+        caller, who aborts them; the core then serves new requests."""
+        if self._ended is not None:
+            self.end_step()
+        try:
+            return self._step()
+        except BaseException:
+            # A step launched ahead (async scheduling) continues one that was not processed: run after a fault, its
+            # tokens would take the place of the lost ones. Dropped, the requests recompute from what they have.
+            self._inflight = None
+            raise
+
+    def end_step(self, front_ending_ms: float = 0.0) -> None:
+        """The last step's outputs are processed: time it for the planner. An in-process front processes them inside
+        the step's measured time, as a plain engine would; front_ending_ms is what it spent ending requests (their
+        final text and output), which like the core's own ending work every regime pays once per request."""
+        ended, self._ended = self._ended, None
+        if ended is None or self.timer is None:
+            return
+        continued, num_live, num_emitted, drafted, wait_ms = ended
+        ending_ms = self._ending_ms + front_ending_ms
+        chained = self._inflight is not None
+        if continued:
+            self.timer.continued_step_finished(
+                num_live, num_emitted, chained, drafted, ending_ms=ending_ms, wait_ms=wait_ms
+            )
+        else:
+            self.timer.step_finished(drafted, num_emitted, chain_starts=chained, ending_ms=ending_ms, wait_ms=wait_ms)
+
+    def _step(self) -> list[EngineCoreOutput]:
+        launched, continued = self._take_inflight(), True
+        if launched is None:
+            launched, continued = self._launch_fresh(), False
+            if launched is None:
+                return []
+        sched = launched.sched
+        verified = not sched.continued and any(s.spec_token_ids for s in sched.scheduled)
+        # A request past its prefill feeds one token (its last) besides its drafts; any other feeds a prompt chunk.
+        has_chunk = not sched.continued and any(
+            not s.continues and s.request.num_computed_tokens + 1 < s.request.num_tokens for s in sched.scheduled
+        )
+        # Async scheduling: the next step is launched now, before this one's tokens reach the host, so that the device
+        # runs it while the host processes these. A refused continuation may carry the drafting choice it asked for.
+        draft_choice = None
+        nxt = self._continuation(launched)
+        if isinstance(nxt, bool):
+            draft_choice = nxt
+        elif nxt is not None:
+            draft_choice = False
+            if self.timer is not None and not continued:
+                self.timer.skip_timing()  # its measured time would include the next step's launch
+            self._inflight = self.runner.launch(nxt, previous=launched)
+        waited = time.perf_counter()
+        result = self.runner.collect(launched)
+        wait_ms = (time.perf_counter() - waited) * 1e3  # the timing of the next continued step needs it
+        self.stats["num_steps"] += 1
+        self.stats["num_pipelined_steps"] += continued
+        records = self._record_verification(sched, result) if verified and self.planner is not None else []
+        self._ending_ms = 0.0
+        may_draft = self.spec is not None and draft_choice is not False
+        drafting: list[Request] | None = [] if may_draft else None
+        outputs: list[EngineCoreOutput] = []
+        if result.tokens is not None:
+            num_live = self._update_continued(sched.scheduled, result.tokens, outputs, drafting)
+            num_emitted = num_live
+        else:
+            num_live, num_emitted = self._update(sched, result, outputs, drafting)
+        if draft_choice is None:
+            draft_choice = bool(drafting) and (
+                self.planner is None or self.planner.should_draft([r.request_id for r in drafting or ()])
+            )
+        drafted = draft_choice and bool(drafting)
+        if drafted:
+            assert drafting is not None
+            self._draft(drafting)
+        self.last_step_kind = step_kind(has_chunk, verified, drafted)
+        self._ended = (continued, num_live, num_emitted, drafted, wait_ms)
+        if self.trace is not None and records:
+            self.trace.step(
+                self.stats["num_steps"], sched.num_tokens - sum(r["num_verified"] for r in records), records
+            )
+        return outputs
+
+    def _take_inflight(self) -> Launched | None:
+        """The step launched ahead, unless every request of it has ended since (EOS, a stop, an abort): then nothing
+        is collected. Dropped uncollected (the device runs it before anything queued later), it neither delays the
+        next request by a step nor reaches the regime as a plain step lasting the whole idle gap since."""
+        launched, self._inflight = self._inflight, None
+        if launched is not None and all(s.request.status.finished for s in launched.sched.scheduled):
+            if self.timer is not None:
+                self.timer.skip_timing()
+            return None
+        return launched
+
+    def _launch_fresh(self) -> Launched | None:
+        """Schedule, plan and launch a step that continues nothing; None when there is nothing to run."""
+        sched = self.scheduler.schedule()
+        for rid in sched.preempted:  # their drafts were dropped; so go the distributions they were drawn from
+            self.runner.release(rid, finished=False)
+            if self.planner is not None:
+                self.planner.drop_drafts(rid)
+        if not sched.scheduled:
+            if self.scheduler.has_unfinished():
+                raise DSparkError("scheduler made no progress: the KV cache cannot hold even one request")
+            return None
+        now = time.monotonic()
+        for s in sched.scheduled:
+            s.request.first_scheduled_time = s.request.first_scheduled_time or now
+        if self.planner is not None:
+            assert self.timer is not None
+            self.timer.step_started()
+            self.planner.plan(sched)  # adaptive verification: cut each request's drafts to those worth verifying
+        return self.runner.launch(sched)
+
+    def _record_verification(self, sched: SchedulerOutput, result: RunnerOutput) -> list[dict[str, object]]:
+        """The planner's record of what the step verified (before finished requests are released)."""
+        assert self.planner is not None
+        outcomes = [
+            (s.request.request_id, len(s.spec_token_ids), result.num_accepted.get(s.request.request_id, 0))
+            for s in sched.scheduled
+            if s.spec_token_ids
+        ]
+        return self.planner.record(outcomes, trace=self.trace is not None)
+
+    def _update(
+        self,
+        sched: SchedulerOutput,
+        result: RunnerOutput,
+        outputs: list[EngineCoreOutput],
+        drafting: list[Request] | None,
+    ) -> tuple[int, int]:
+        """A step's results, request by request: computed tokens, accepted drafts, the emitted tokens. Requests still
+        running that may draft go to `drafting` (None: the step's drafting choice is made, plain). Returns the number
+        of requests the step served and of the tokens they emitted (a voided token is neither)."""
+        now = time.monotonic()
+        num_live = num_emitted = 0
+        for s in sched.scheduled:
+            req = s.request
+            if req.status.finished:  # stopped or aborted after its continued step was launched: that token is void
+                continue
+            num_live += 1
+            sampled = result.sampled.get(req.request_id)
+            num_rejected = 0
+            if s.spec_token_ids:
+                num_accepted = result.num_accepted[req.request_id]
+                num_rejected = len(s.spec_token_ids) - num_accepted
+                self._count_spec(req, len(s.spec_token_ids), num_accepted)
+            if req.spec_token_ids:
+                req.spec_token_ids = []
+            # Rejected drafts' KV stays where it is, past num_computed_tokens, to be overwritten later.
+            req.num_computed_tokens += s.num_new_tokens - num_rejected
+            if sampled is None:  # a prompt chunk: its tokens are all known already
+                self.kv.cache_computed_blocks(req)
+                continue
+            num_emitted += len(sampled)
+            req.first_token_time = req.first_token_time or now
+            out = self._append(req, [row.token_id for row in sampled], sampled, now)
+            if out is not None:
+                outputs.append(out)
+            if drafting is not None and not req.status.finished and req.sampling_params.max_speculative_tokens != 0:
+                drafting.append(req)
+        return num_live, num_emitted
+
+    def _update_continued(
+        self,
+        scheduled: list[ScheduledRequest],
+        tokens: list[int],
+        outputs: list[EngineCoreOutput],
+        drafting: list[Request] | None,
+    ) -> int:
+        """A continued step's tokens, one plain token per request in the step's order: what _update does, less what
+        such a step cannot hold (drafts, prompt chunks, logprobs). Returns the number of live requests (each emitted a
+        token). The steady state at high load: a token that cannot end its request is appended in place, and only
+        requests whose tokens the front reads every step get an output."""
+        quiet: list[Request] = []  # appended in place; their filled blocks registered from `done` on
+        done = num_live = 0
+        try:
+            for s, token in zip(scheduled, tokens, strict=True):
+                req = s.request
+                if req.status.finished:  # stopped or aborted after this step was launched: its token is void
+                    continue
+                num_live += 1
+                req.num_computed_tokens += 1  # first_token_time: set when the step it continues was collected
+                all_ids = req.all_token_ids
+                if token not in req.ends_on and len(all_ids) + 1 < req.end_at:
+                    all_ids.append(token)
+                    quiet.append(req)
+                    if req.streams:
+                        outputs.append(self._output(req, [token]))
+                else:
+                    # The quiet requests before this one first, in step order: a block they filled is registered
+                    # before one this request fills with the same tokens, as _append for each in turn would.
+                    done = self._quiet_done(quiet, done)
+                    out = self._append(req, (token,), None, time.monotonic())
+                    if out is not None:
+                        outputs.append(out)
+                    if req.status.finished:
+                        continue
+                if drafting is not None and req.sampling_params.max_speculative_tokens != 0:
+                    drafting.append(req)
+        finally:  # a fault that propagates still counts the tokens appended
+            self._quiet_done(quiet, done)
+        return num_live
+
+    def _quiet_done(self, quiet: list[Request], done: int) -> int:
+        """Count quiet[done:]'s tokens (one each) and register the blocks they filled; returns len(quiet)."""
+        if len(quiet) > done:
+            self.stats["num_generation_tokens"] += len(quiet) - done
+            self.kv.cache_computed_blocks_of(quiet[done:] if done else quiet)
+        return len(quiet)
+
+    def _append(
+        self, req: Request, tokens: Sequence[int], rows: list[SampledRow] | None, now: float
+    ) -> EngineCoreOutput | None:
+        """Append this step's tokens in order; the first that ends the request finishes it (the rest are dropped).
+        rows: the tokens' sampled rows (their logprobs, if any), or None (a continued step's: none)."""
+        all_ids = req.all_token_ids
+        num_prompt = len(req.prompt_token_ids)
+        p = req.sampling_params
+        status = None
+        num_appended = 0
+        for token in tokens:
+            all_ids.append(token)
+            num_appended += 1
+            if token in req.ends_on and len(all_ids) - num_prompt >= p.min_tokens:
+                status = RequestStatus.FINISHED_STOPPED
+                if token != req.eos_token_id or p.ignore_eos:
+                    req.stop_reason = token
+                break
+            if len(all_ids) >= req.end_at:
+                status = RequestStatus.FINISHED_LENGTH
+                break
+        self.stats["num_generation_tokens"] += num_appended
+        new_ids = list(tokens[:num_appended]) if req.streams else []
+        logprobs: list[TokenLogprobs] | None = None
+        if rows is not None and p.logprobs is not None:
+            logprobs = [(r.logprob or 0.0, r.rank or 1, r.top_logprobs or []) for r in rows[:num_appended]]
+        # After the accepted drafts are appended (a block's hash needs its tokens), before finishing frees it.
+        self.kv.cache_computed_blocks(req)
+        if status is None:
+            return self._output(req, new_ids, logprobs) if req.streams else None
+        start = time.perf_counter()
+        try:
+            self._finish(req, status, now)
+            if not req.streams:  # the front gets its tokens only now
+                new_ids = all_ids[num_prompt:]
+            return self._output(req, new_ids, logprobs)
+        finally:
+            self._ending_ms += (time.perf_counter() - start) * 1e3
+
+    def _output(
+        self, req: Request, new_ids: list[int], logprobs: list[TokenLogprobs] | None = None
+    ) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req.request_id,
+            new_ids,
+            logprobs,
+            req.finish_reason,
+            req.stop_reason,
+            req.first_scheduled_time,
+            req.first_token_time,
+            req.finished_time,
+            req.num_cached_tokens,
+            req.num_preemptions,
+            req.spec_num_drafts,
+            req.spec_num_draft_tokens,
+            req.spec_num_accepted_tokens,
+        )
+
+    def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
+        """Finish the request: free its blocks and every piece of per-request state (ending work, which every
+        regime pays once per request: the planner's timing takes it out of the step's measured time)."""
+        self.scheduler.finish(req, status)
+        self.runner.release(req.request_id)
+        if self.planner is not None:
+            self.planner.release(req.request_id)
+        req.finished_time = now or time.monotonic()
+        self.requests.pop(req.request_id, None)
+
+    def _count_spec(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """vLLM's counting: a draft is one request's proposal verified in one step."""
+        self.stats["spec_decode_num_drafts"] += 1
+        self.stats["spec_decode_num_draft_tokens"] += num_drafts
+        self.stats["spec_decode_num_accepted_tokens"] += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+        req.spec_num_drafts += 1
+        req.spec_num_draft_tokens += num_drafts
+        req.spec_num_accepted_tokens += num_accepted
+
+    def _continuation(self, launched: Launched) -> SchedulerOutput | bool | None:
+        """Async scheduling: the step that continues `launched` (collected next), or None where the next step needs
+        the host: a prompt chunk, drafts, preemption, a waiting request with a free seat, penalties or logprobs (they
+        read the tokens), running requests left out. False or True: the drafting choice for `launched`'s requests when
+        it is what refused (adaptive speculation asked now, before the step is collected; the step keeps that answer).
+
+        Every request of `launched` continues unless that step ends it by length; one that stops otherwise (EOS, a
+        stop string, an abort) has its continued token dropped when that step is collected (the KV it wrote lies past
+        the request's tokens, in blocks freed with it, and the device runs anything later written there after it)."""
+        sched = launched.sched
+        # A waiting request that could be admitted now goes first; one that could not (every seat taken) does not
+        # stop the overlap: a saturated server always has a queue.
+        admissible = self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.max_num_seqs
+        if not self.async_scheduling or launched.tokens is None or admissible or sched.preempted:
+            return None
+        active = [s.request for s in sched.scheduled if not s.request.status.finished]
+        # A continued step's requests passed these checks when it was built, and nothing in them changes (a request's
+        # sampling parameters are fixed): not asked again, request by request, every step.
+        if len(active) != len(self.scheduler.running) or (
+            not sched.continued
+            and not all(
+                s.samples and s.num_new_tokens == 1 and not _reads_tokens(s.request.sampling_params)
+                for s in sched.scheduled
+            )
+        ):
+            return None
+        # launched's token is not appended yet: a request continues if it may emit at least one more after it.
+        going_on = [r for r in active if len(r.all_token_ids) + 1 < r.end_at]
+        if not going_on:
+            return None
+        if self.spec is not None:
+            drafting = [r.request_id for r in going_on if r.sampling_params.max_speculative_tokens != 0]
+            if drafting and (self.planner is None or self.planner.should_draft(drafting)):
+                return True
+        # The KV of launched's token and of this one's, and the drafter's lookahead past them: the regime may choose
+        # to draft after this step.
+        lookahead = self.scheduler.num_lookahead_tokens
+        if not self.kv.allocate_decode(going_on, 2, lookahead=lookahead):
+            return False if self.spec is not None else None  # the drafting choice was asked: plain
+        if sched.continued and len(going_on) == len(sched.scheduled):
+            # The same requests in the same order (going_on keeps sched's order): a continued step's entries are all
+            # alike (one token, no drafts, continues, samples) and nothing changes them, so they serve again.
+            return SchedulerOutput(sched.scheduled, continued=True)
+        return SchedulerOutput([ScheduledRequest(r, 1, continues=True) for r in going_on], continued=True)
+
+    def _draft(self, requests: list[Request]) -> None:
+        """Propose the drafts each request verifies next step, cut to what it could still emit."""
+        proposal = self.runner.propose(requests)  # queued on the device; the tokens reach the host when first read
+        rooms = []
+        for req in requests:
+            # verified tokens plus the bonus must fit (end_at: max_tokens and max_model_len)
+            room = req.end_at - len(req.all_token_ids) - 1
+            cap = req.sampling_params.max_speculative_tokens
+            if cap is not None:
+                room = min(room, cap)
+            rooms.append(max(0, room))
+        if self.planner is not None and not proposal.on_host:
+            self._prepare_budget(requests, rooms)  # host work while the drafting pass runs on the device
+        for req, tokens, room in zip(requests, proposal.token_ids, rooms, strict=True):  # the wait for the drafts
+            req.spec_token_ids = tokens[:room]
+        if self.planner is not None:
+            self.planner.observe(
+                [r.request_id for r in requests],
+                [len(r.spec_token_ids) for r in requests],
+                proposal.confidences,
+                proposal.strata,
+            )
+
+    def _prepare_budget(self, requests: list[Request], rooms: list[int]) -> None:
+        """Adaptive verification (async mode): the next step's budget, chosen now for the step expected if nothing
+        changes: every running request decodes one token and verifies its drafts (the drafter's full count, within
+        its room). plan() chooses again if the step differs."""
+        assert self.planner is not None and self.runner.drafter is not None
+        if self.planner.mode != "async":
+            return
+        running = self.scheduler.running
+        if self.scheduler.waiting or any(r.num_tokens - r.num_computed_tokens != 1 for r in running):
+            return  # an admission or a prompt chunk would change the step
+        k = self.runner.drafter.max_num_tokens
+        caps = [min(k, room) for room in rooms]
+        ids = [r.request_id for r, c in zip(requests, caps, strict=True) if c]
+        self.planner.prepare(ids, [c for c in caps if c], len(running), len(running))
+
+    # ---- metrics --------------------------------------------------------------------------------------------------
+
+    def get_metrics(self) -> dict[str, Any]:
+        drafts = self.stats["spec_decode_num_drafts"]
+        return {
+            **self.stats,
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_cache_usage_perc": self.kv.usage,
+            "kv_num_blocks": self.kv.num_blocks,
+            "kv_num_used_blocks": self.kv.num_used_blocks,
+            "prefix_cache_queries": self.kv.num_prefix_queries,
+            "prefix_cache_hits": self.kv.num_prefix_hits,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "spec_decode_mean_acceptance_length": (
+                1 + self.stats["spec_decode_num_accepted_tokens"] / drafts if drafts else None
+            ),
+            **(self.planner.metrics() if self.planner is not None else {}),
+        }
