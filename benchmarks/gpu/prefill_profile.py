@@ -2,9 +2,10 @@
 
     python benchmarks/gpu/prefill_profile.py --device cuda --concurrency 1 16 --repeats 20
 
-On the H200 (session 3, benchmarks/results/h200/gpu-path/2026-11-30-s3) adaptive's prefill steps took 11-16 ms more
-than no-spec's in a sweep. Session 4 (2026-11-30-s4) found that gap to be host contention: with nothing else on the
-host, this script and --sweep-like put adaptive ~1 ms above no-spec (the drafter's eager context write).
+On the H200 (benchmarks/results/h200/gpu-path/2026-11-30-6e5334e) adaptive's prefill steps took 11-16 ms more than
+no-spec's in a sweep. The next runs (benchmarks/results/h200/gpu-path/2026-11-30-3d0913e) found that gap to be host
+contention: with nothing else on the host, this script and --sweep-like put adaptive ~1 ms above no-spec (the
+drafter's eager context write).
 
 Each repeat adds C prompts to an idle engine, times the step that prefills them (every phase wrapped), and runs them
 to the end (32 tokens: the next prefill follows a decode run, as in a sweep row). A phase's time includes what it
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.bench.sweep import WARMUP_TOKENS, num_prompts_for, run_row, sweep_prompts
+from dspark.bench.rounds import run_row
+from dspark.bench.sweep import WARMUP_TOKENS, num_prompts_for, sweep_prompts
 from dspark.bench.throughput import drain, tokenize
 
 CONFIGS: dict[str, dict[str, Any] | None] = {"no-spec": None, "adaptive": {"method": "dspark"}}
@@ -47,7 +49,7 @@ def trace_step(
 ) -> None:
     """One more prefill step under torch.profiler: the host ops and device kernels that take its time. Prompts from
     `first` on, past those the repeats used: a prompt seen before hits the prefix cache, and its "prefill" is a
-    one-token graph replay (session 4's first trace was one)."""
+    one-token graph replay (the first trace of 2026-11-30-3d0913e was one)."""
     for i in range(concurrency):
         engine.add_request(prompts[(first + i) % len(prompts)], params)
     torch.cuda.synchronize()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dspark.bench.sweep import Round
+from dspark.bench.rounds import Round
 from dspark.errors import ConfigError
 
 NAME = "hf"

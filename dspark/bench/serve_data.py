@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.errors import ConfigError, DSparkError
+from dspark.utils.jsonl import read_jsonl_prompts
 
 DATASETS = ("random", "jsonl", "gsm8k", "mt-bench")
 
@@ -67,8 +68,6 @@ def sample_prompts(
         raise ConfigError("dataset_path", None, f"a JSON-lines file of prompts for --dataset-name {dataset_name}")
     if not Path(dataset_path).is_file():
         raise ConfigError("dataset_path", dataset_path, "an existing JSON-lines file")
-    from dspark.bench.throughput import read_jsonl_prompts
-
     texts = read_jsonl_prompts(Path(dataset_path))
     if shuffle:
         random.Random(seed).shuffle(texts)

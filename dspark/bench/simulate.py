@@ -8,19 +8,16 @@ Verifying l drafts of a block whose first L survive yields min(l, L) + 1 tokens 
 uniforms decide every policy's outcome); the step costs cost.step_ms(R, R + sum of l), no-spec verify_ms(R) alone.
 
 - The block sequence, the EMA and the prior do not depend on the policy, so every policy replays the same steps and
-  their differences are paired, not sampling noise.
+  their differences are paired, not sampling noise. The EMA (smooth_confidences, per position) and the prior
+  (initial_prior, update_prior) are the planner's, from speculative/budget.py.
 - Simplifications: steps are decode-only (T = R: the trace's num_other_tokens is not replayed), and a block is what
   the engine drafted after its fixed-k step, whatever the simulated policy verified before it.
 """
 
 from __future__ import annotations
 
-import argparse
-import gzip
-import json
 import math
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,131 +26,24 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dspark.cli import output_path
-from dspark.errors import ConfigError, DSparkError
+from dspark.errors import ConfigError
 from dspark.speculative.budget import (
     allocate,
     choose_budget,
     choose_budget_sync,
     drafting_verdict,
+    initial_prior,
     smooth_confidences,
     survival,
+    update_prior,
 )
 from dspark.speculative.cost_model import CostModel
+from dspark.speculative.trace import Trace
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 EMA_ALPHAS = (0.0, 0.5, 0.8, 0.9)
 WARMUP_STEPS = 64  # replayed before measuring, so every slot starts mid-request with a warm EMA and prior
 CONFIDENCE_POLICIES = ("adaptive-async", "adaptive-sync", "threshold", "smartspec")  # report predicted - realised
-
-
-class TraceError(DSparkError, ValueError):
-    """A trace that cannot be read: names the file, the line and the problem."""
-
-    def __init__(self, path: Path, line: int, problem: str) -> None:
-        super().__init__(f"{path}:{line}: {problem}" if line else f"{path}: {problem}")
-
-
-# ---- trace --------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Block:
-    confidences: list[float]  # calibrated, one per draft the simulator may verify
-    num_drafts: int  # len(confidences): drafts held, or only the verified ones when the trace recorded no more
-    accepted: int  # L: how many leading drafts the target accepts
-
-
-@dataclass
-class Trace:
-    K: int
-    header: dict[str, Any]
-    streams: dict[str, list[Block]]  # request id -> its blocks in step order
-    num_censored: int = 0  # blocks skipped: partly verified and all of those accepted, so L is unknown
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(blocks) for blocks in self.streams.values())
-
-
-def load_trace(path: str | Path) -> Trace:
-    """Read a JSONL trace: a header line, then one line per engine step (format in DESIGN.md / the engine's flag)."""
-    path = Path(path)
-    try:
-        lines = (gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()).splitlines()
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise TraceError(path, 0, f"cannot be read ({getattr(e, 'strerror', None) or e})") from None
-    header: dict[str, Any] | None = None
-    streams: dict[str, list[Block]] = {}
-    censored = 0
-    for lineno, text in enumerate(lines, 1):
-        if not text.strip():
-            continue
-        try:
-            record = json.loads(text)
-        except ValueError as e:
-            raise TraceError(path, lineno, f"not JSON ({e})") from None
-        if not isinstance(record, dict):
-            raise TraceError(path, lineno, f"expected a JSON object, got {type(record).__name__}")
-        kind = record.get("type")
-        if header is None:
-            if kind != "header":
-                raise TraceError(path, lineno, f"the first line must be the header, got type={kind!r}")
-            if not _is_int(record.get("K")) or record["K"] < 1:
-                raise TraceError(path, lineno, f"header K={record.get('K')!r}: must be a positive integer")
-            header = record
-            continue
-        if kind != "step":
-            raise TraceError(path, lineno, f"type={kind!r}: after the header every line must be a step")
-        requests = record.get("requests")
-        if not isinstance(requests, list):
-            raise TraceError(path, lineno, f"requests={requests!r}: must be a list")
-        seen: set[str] = set()
-        for i, request in enumerate(requests):
-            try:
-                rid, block = _parse_request(request, header["K"])
-            except ValueError as e:
-                raise TraceError(path, lineno, f"request {i}: {e}") from None
-            if rid in seen:
-                raise TraceError(path, lineno, f"request {i}: id {rid!r} appears twice in one step")
-            seen.add(rid)
-            if block is None:
-                censored += 1
-            else:
-                streams.setdefault(rid, []).append(block)
-    if header is None:
-        raise TraceError(path, 0, "empty: no header line")
-    return Trace(header["K"], header, streams, censored)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _parse_request(request: Any, k: int) -> tuple[str, Block | None]:
-    if not isinstance(request, dict):
-        raise ValueError(f"expected an object, got {type(request).__name__}")
-    rid = request.get("id")
-    if not isinstance(rid, str | int) or isinstance(rid, bool):
-        raise ValueError(f"id={rid!r}: must be a string")
-    conf = request.get("confidences")
-    if not isinstance(conf, list) or not all(
-        isinstance(c, int | float) and not isinstance(c, bool) and 0.0 <= c <= 1.0 for c in conf
-    ):
-        raise ValueError(f"confidences={conf!r}: must be a list of numbers in [0, 1]")
-    for name in ("num_drafts", "num_verified", "num_accepted"):
-        if not _is_int(request.get(name)) or request[name] < 0:
-            raise ValueError(f"{name}={request.get(name)!r}: must be a non-negative integer")
-    drafts, verified, accepted = request["num_drafts"], request["num_verified"], request["num_accepted"]
-    if drafts > k:
-        raise ValueError(f"num_drafts={drafts} exceeds K={k}")
-    if not accepted <= verified <= drafts:
-        raise ValueError(f"needs num_accepted <= num_verified <= num_drafts, got {accepted}, {verified}, {drafts}")
-    if not verified <= len(conf) <= drafts:
-        raise ValueError(f"{len(conf)} confidences: expected num_verified={verified} to num_drafts={drafts}")
-    if verified < drafts and accepted == verified:
-        return str(rid), None  # censored: the first unverified draft might have survived too
-    return str(rid), Block([float(c) for c in conf], len(conf), accepted)
 
 
 # ---- policies -----------------------------------------------------------------------------------------------------
@@ -258,14 +148,6 @@ def ema_update(
     return torch.where(has, blended, state), known | has
 
 
-def _prior_conditionals(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """[K] per-position confidences whose survivals are the mean survivals seen so far (0.5 ** (j + 1) before any)."""
-    start = 0.5 ** torch.arange(1, sums.numel() + 1, dtype=torch.float64)
-    prior = torch.cummin(torch.where(counts > 0, sums / counts.clamp(min=1), start), 0).values
-    before = torch.cat([torch.ones(1, dtype=torch.float64), prior[:-1]])
-    return torch.where(before > 0, prior / before.clamp(min=1e-300), 0.0)
-
-
 def _drafts_at_all(policies: Sequence[str], step: StepInputs, counts: torch.Tensor, cost: CostModel) -> torch.Tensor:
     """[P] whether each policy runs the drafter this step. The adaptive modes ask drafting_verdict on stale survivals
     (as the engine does); SmartSpec drafts unless its batch-wide k is 0; the oracle drafts only when its known-good
@@ -356,17 +238,16 @@ def simulate_policies(
     pointer = (torch.arange(concurrency) * num_blocks // concurrency - WARMUP_STEPS) % num_blocks
     state = torch.zeros(concurrency, k, dtype=torch.float64)
     known = torch.zeros(concurrency, k, dtype=torch.bool)
-    prior_sums = torch.zeros(k, dtype=torch.float64)
-    prior_counts = torch.zeros(k, dtype=torch.int64)
+    prior = initial_prior(k)  # [K] survivals of a slot whose stream has held no draft yet, as the planner's
     for t in range(-WARMUP_STEPS, num_steps):
         conf, num_drafts, accepted = conf_all[pointer], drafts_all[pointer], accepted_all[pointer]
         has = positions[None, :] < num_drafts[:, None]
         known &= ~first_all[pointer][:, None]
-        stale = survival(torch.where(known, state, _prior_conditionals(prior_sums, prior_counts))) * has
+        # as the planner's: the slot's smoothed survivals so far, or the prior while its stream has held no draft
+        stale = torch.where(known[:, :1], survival(state), prior) * has
         state, known = ema_update(state, known, conf, has, ema_alpha)
         live = survival(state) * has  # every position before a draft holds one: updated this block
-        prior_sums += (survival(conf) * has).sum(0)
-        prior_counts += has.sum(0)
+        prior = update_prior(prior, live[num_drafts > 0])
         pointer = (pointer + 1) % num_blocks
         if t < 0:
             continue
@@ -506,220 +387,3 @@ def load_cost(spec: str) -> CostModel:
 
 def curve_name(spec: str) -> str:
     return "b300" if spec == "b300" else Path(spec).stem
-
-
-# ---- reporting ----------------------------------------------------------------------------------------------------
-
-
-def _shown_policies(rows: list[dict[str, Any]]) -> list[str]:
-    """The policies worth a column or a line: fixed-K only as its largest k, beside the best fixed k."""
-    names = list(dict.fromkeys(r["policy"] for r in rows))
-    fixed = [n for n in names if n.startswith("fixed-")]
-    top = max(fixed, key=lambda n: int(n.removeprefix("fixed-")), default=None)
-    return [n for n in names if not n.startswith("fixed-") or n == top]
-
-
-def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
-    groups: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault((r.get("curve", ""), r["concurrency"]), {})[r["policy"]] = r
-    return groups
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """Tokens/s per policy (ratio to the oracle in brackets) by curve and concurrency, with adaptive-async's mean
-    verify length and predicted minus realised accepted drafts per verified block."""
-    shown = _shown_policies(rows)
-    head = ["curve", "C", *shown, "best k", "async verify len", "async pred-real"]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for (curve, c), by_policy in _groups(rows).items():
-        cells = [curve or "-", str(c)]
-        for name in shown:
-            r = by_policy.get(name)
-            cells.append(f"{r['tokens_per_s']:,.0f} ({r['ratio_to_oracle']:.2f})" if r else "-")
-        best, adaptive = by_policy.get("best-fixed"), by_policy.get("adaptive-async")
-        cells.append(str(best["k"]) if best else "-")
-        cells.append(f"{adaptive['mean_verify_len']:.2f}" if adaptive else "-")
-        pmr = adaptive["pred_minus_real"] if adaptive else None
-        cells.append(f"{pmr:+.3f}" if pmr is not None else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def ema_table(study: list[dict[str, Any]]) -> str:
-    """adaptive-async's predicted minus realised accepted drafts per verified draft: one row per curve and alpha."""
-    concurrencies = list(dict.fromkeys(r["concurrency"] for r in study))
-    by_row: dict[tuple[str, float], dict[int, float | None]] = {}
-    for r in study:
-        by_row.setdefault((r.get("curve", ""), r["alpha"]), {})[r["concurrency"]] = r["pred_minus_real_per_draft"]
-    head = ["curve", "alpha", *(f"C={c}" for c in concurrencies)]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for (curve, alpha), values in by_row.items():
-        cells = [f"{v:+.3f}" if v is not None else "-" for v in (values.get(c) for c in concurrencies)]
-        lines.append("| " + " | ".join([curve or "-", f"{alpha:g}", *cells]) + " |")
-    return "\n".join(lines)
-
-
-def summary_line(rows: list[dict[str, Any]]) -> str:
-    parts = []
-    for curve in dict.fromkeys(r.get("curve", "") for r in rows):
-        groups = [g for (cv, _), g in _groups(rows).items() if cv == curve]
-        ratios = [g["adaptive-async"]["ratio_to_oracle"] for g in groups]
-        wins = sum(g["adaptive-async"]["tokens_per_s"] >= g["best-fixed"]["tokens_per_s"] for g in groups)
-        parts.append(
-            f"{curve or 'cost'}: adaptive-async at {min(ratios):.2f}-{max(ratios):.2f} of the oracle, "
-            f">= the best fixed k at {wins}/{len(groups)} concurrencies"
-        )
-    return "; ".join(parts)
-
-
-def plot(rows: list[dict[str, Any]], path: str | Path) -> None:
-    """Tokens/s (top) and its ratio to the oracle (bottom) against concurrency, one column per cost curve."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    curves = list(dict.fromkeys(r.get("curve", "") for r in rows))
-    fig, axes = plt.subplots(2, len(curves), figsize=(6.5 * len(curves), 8), squeeze=False, sharex=True)
-    for col, curve in enumerate(curves):
-        sub = [r for r in rows if r.get("curve", "") == curve]
-        top, bottom = axes[0][col], axes[1][col]
-        for name in _shown_policies(sub):
-            points = sorted(
-                (r["concurrency"], r["tokens_per_s"], r["ratio_to_oracle"]) for r in sub if r["policy"] == name
-            )
-            style = {"linestyle": "--" if name in ("oracle", "no-spec") else "-", "marker": "o", "markersize": 3}
-            top.plot([p[0] for p in points], [p[1] for p in points], label=name, **style)
-            bottom.plot([p[0] for p in points], [p[2] for p in points], label=name, **style)
-        top.set_title(f"cost curve: {curve}" if curve else "simulated throughput")
-        top.set_ylabel("tokens/s")
-        top.set_yscale("log")
-        bottom.set_ylabel("tokens/s relative to the oracle")
-        bottom.set_xlabel("concurrency")
-        for ax in (top, bottom):
-            ax.set_xscale("log", base=2)
-            ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ---- command line -------------------------------------------------------------------------------------------------
-
-SIMULATE_EPILOG = """\
-The trace comes from the engine run with a fixed k and trace recording on. Each policy replays the same blocks;
-a cell reads tokens/s (ratio to the oracle, which verifies exactly the drafts that survive).
-
-examples:
-  dspark simulate trace.jsonl
-  dspark simulate trace.jsonl --cost b300 --cost cost-h200.json --output-json out/sim.json --output-plot out/sim.png
-"""
-
-
-def add_parser(
-    subparsers: Any, formatter_class: type[argparse.HelpFormatter] = argparse.RawDescriptionHelpFormatter
-) -> argparse.ArgumentParser:
-    """Register `simulate` on a subparsers object (cli.py passes its own formatter)."""
-    p = subparsers.add_parser(
-        "simulate",
-        help="replay a draft trace under each verify policy and cost curve: tokens/s by concurrency",
-        description="Trace-driven simulation of confidence-scheduled verification: no-spec, fixed k, adaptive\n"
-        "(async and sync), threshold, SmartSpec-style and an oracle, on profiled or synthetic step costs.",
-        epilog=SIMULATE_EPILOG,
-        formatter_class=formatter_class,
-    )
-    p.add_argument("trace", metavar="TRACE.jsonl", help="a step trace recorded by the engine")
-    g = p.add_argument_group("simulation")
-    g.add_argument(
-        "--cost",
-        action="append",
-        metavar="CURVE",
-        help="b300 (a synthetic B300-like curve) or a cost-model JSON from `dspark profile` (repeatable; "
-        "default: b300)",
-    )
-    g.add_argument(
-        "--concurrency",
-        metavar="C",
-        type=int,
-        nargs="+",
-        default=list(CONCURRENCIES),
-        help="concurrencies to simulate (default: 1 2 4 ... 1024)",
-    )
-    g.add_argument(
-        "--ema-alpha", metavar="A", type=float, default=0.8, help="confidence EMA, in [0, 1) (default: %(default)s)"
-    )
-    g.add_argument(
-        "--threshold",
-        metavar="TAU",
-        type=float,
-        default=0.5,
-        help="the threshold policy verifies drafts whose survival is at least this (default: %(default)s)",
-    )
-    g.add_argument(
-        "--steps", metavar="N", type=int, help="steps per run (default: enough for 2000 blocks, at least 20)"
-    )
-    g.add_argument("--output-json", metavar="PATH", help="write the rows and the EMA study here")
-    g.add_argument("--output-plot", metavar="PATH", help="write the tokens/s plot here (PNG, SVG or PDF)")
-    p.set_defaults(func=run)
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    if any(c < 1 for c in args.concurrency):
-        raise ConfigError("concurrency", args.concurrency, "every value must be a positive integer")
-    if not 0.0 <= args.ema_alpha < 1.0:
-        raise ConfigError("ema_alpha", args.ema_alpha, "must be in [0, 1)")
-    if not 0.0 < args.threshold <= 1.0:
-        raise ConfigError("threshold", args.threshold, "must be in (0, 1]")
-    if args.steps is not None and args.steps < 1:
-        raise ConfigError("steps", args.steps, "must be a positive integer")
-    output_json, output_plot = (
-        output_path(args.output_json, "output_json"),
-        output_path(args.output_plot, "output_plot"),
-    )
-    trace = load_trace(args.trace)
-    specs = args.cost or ["b300"]
-    curves = [(curve_name(spec), load_cost(spec)) for spec in specs]
-    rows: list[dict[str, Any]] = []
-    study: list[dict[str, Any]] = []
-    for name, cost in curves:
-        found = run_all(trace, cost, args.concurrency, args.ema_alpha, args.threshold, args.steps, progress=True)
-        rows += [{"curve": name, **r} for r in found]
-        study += [
-            {"curve": name, **r} for r in ema_study(trace, cost, args.concurrency, steps=args.steps, progress=True)
-        ]
-    print(markdown_table(rows))
-    print()
-    print(ema_table(study))
-    print()
-    print(summary_line(rows))
-    if output_json is not None:
-        result = {
-            "command": getattr(args, "command_line", ""),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "trace": {
-                "path": str(args.trace),
-                "header": trace.header,
-                "num_streams": len(trace.streams),
-                "num_blocks": trace.num_blocks,
-                "num_censored": trace.num_censored,
-            },
-            "settings": {
-                "costs": specs,
-                "concurrencies": args.concurrency,
-                "ema_alpha": args.ema_alpha,
-                "threshold": args.threshold,
-                "steps": args.steps,
-            },
-            "rows": rows,
-            "ema_study": study,
-        }
-        try:
-            output_json.write_text(json.dumps(result, indent=2) + "\n")
-        except OSError as e:
-            raise ConfigError("output_json", str(output_json), f"cannot be written ({e})") from None
-    if output_plot is not None:
-        plot(rows, output_plot)
-    return 0

@@ -26,10 +26,10 @@ from dspark.bench.prompts import BUILTIN_PROMPTS
 from dspark.config import EngineConfig, SamplingParams
 from dspark.engine.llm_engine import LLMEngine
 from dspark.errors import ConfigError
-from dspark.evals.data import numbered_jsonl_records
 from dspark.llm import LLM
 from dspark.models.llama import CausalLM
 from dspark.outputs import RequestOutput
+from dspark.utils.jsonl import read_jsonl_prompts
 
 WARMUP_TEXT = "The quick brown fox jumps over the lazy dog."
 WARMUP_TOKENS = 4
@@ -68,27 +68,6 @@ def load_prompts(dataset_path: str | None, num_prompts: int) -> list[str]:
         raise ConfigError("num_prompts", num_prompts, "must be a positive integer")
     prompts = BUILTIN_PROMPTS if dataset_path is None else read_jsonl_prompts(Path(dataset_path))
     return [prompts[i % len(prompts)] for i in range(num_prompts)]
-
-
-def read_jsonl_prompts(path: Path) -> list[str]:
-    """Prompts from a JSON-lines file (gzipped if it ends in .gz): each line's "prompt", else its first "turns" entry,
-    else its "question"."""
-    wanted = "prompts (a string 'prompt', 'turns' (a list) or 'question' per line)"
-    prompts = []
-    for lineno, record in numbered_jsonl_records(str(path), "dataset_path", wanted):
-        text = _prompt_of(record)
-        if not text:
-            raise ConfigError("dataset_path", f"{path}:{lineno}", f"needs {wanted}")
-        prompts.append(text)
-    return prompts
-
-
-def _prompt_of(record: dict[str, Any]) -> str | None:
-    turns = record.get("turns")
-    for text in (record.get("prompt"), turns[0] if isinstance(turns, list) and turns else None, record.get("question")):
-        if isinstance(text, str) and text:
-            return text
-    return None
 
 
 def tokenize(llm: LLM, prompts: list[str], chat: bool) -> list[list[int]]:

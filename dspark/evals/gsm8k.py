@@ -13,10 +13,7 @@ that failed is counted as failed (and wrong).
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import re
-import sys
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
@@ -27,13 +24,11 @@ from dspark.bench.client import (
     Prompt,
     RequestInput,
     RequestResult,
-    add_server_args,
-    endpoint_from_args,
     open_session,
     run_requests,
 )
 from dspark.errors import ConfigError
-from dspark.evals.data import read_jsonl_records
+from dspark.utils.jsonl import read_jsonl_records
 
 MAX_TOKENS = 256
 STOP = ["Question:"]
@@ -169,81 +164,3 @@ def summary_line(result: dict[str, Any]) -> str:
         f"invalid {result['invalid']}, failed {result['failed']} | {result['num_shots']}-shot, "
         f"{result['latency']:.1f} s, {result['output_throughput']:.1f} output tok/s | {result['model_id']}"
     )
-
-
-# ---- command line -------------------------------------------------------------------------------------------------
-
-GSM8K_EPILOG = """\
-examples:
-  dspark eval gsm8k --data-path gsm8k/test.jsonl --train-path gsm8k/train.jsonl.gz --num-questions 200 \\
-      --max-concurrency 16 --output-json gsm8k.json
-  dspark eval gsm8k --backend openai-chat --base-url http://127.0.0.1:8000 --data-path test.jsonl --num-shots 0
-"""
-
-
-def add_parser(
-    subparsers: Any, formatter_class: type[argparse.HelpFormatter] = argparse.RawDescriptionHelpFormatter
-) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "gsm8k",
-        help="GSM8K accuracy, few-shot and greedy, through a running server",
-        description="GSM8K through an OpenAI-compatible server: temperature 0, few-shot from the train split, the\n"
-        "answer taken after '####' (else the last number); prints the accuracy and the invalid count.",
-        epilog=GSM8K_EPILOG,
-        formatter_class=formatter_class,
-    )
-    add_server_args(p, max_concurrency=32)
-    g = p.add_argument_group("gsm8k")
-    g.add_argument("--data-path", metavar="FILE.jsonl", help="the questions: GSM8K's test.jsonl (required)")
-    g.add_argument("--train-path", metavar="FILE.jsonl", help="the few-shot examples: GSM8K's train.jsonl[.gz]")
-    g.add_argument("--num-shots", metavar="K", type=int, default=5, help="examples before each question (default: 5)")
-    g.add_argument("--num-questions", metavar="N", type=int, help="the first N questions (default: all)")
-    g.add_argument("--max-tokens", metavar="N", type=int, default=MAX_TOKENS, help="(default: %(default)s)")
-    g.add_argument("--output-json", metavar="PATH", help="write the results here")
-    g.add_argument("--save-detailed", action="store_true", help="add every question's completion and grade")
-    p.set_defaults(func=cmd_eval_gsm8k)
-    return p
-
-
-def cmd_eval_gsm8k(args: argparse.Namespace) -> int:
-    from dspark.cli import output_path, write_json
-
-    output = output_path(args.output_json)
-    if args.num_shots < 0:
-        raise ConfigError("num_shots", args.num_shots, "0 or more")
-    if args.num_questions is not None and args.num_questions < 1:
-        raise ConfigError("num_questions", args.num_questions, "a positive integer (or leave it out: all)")
-    if args.max_tokens < 1:
-        raise ConfigError("max_tokens", args.max_tokens, "a positive integer")
-    problems = load_problems(args.data_path, "data_path", args.num_questions)
-    shots: list[Problem] = []
-    if args.num_shots:
-        if args.train_path is None:
-            raise ConfigError("train_path", None, "GSM8K's train.jsonl[.gz] for the shots, or --num-shots 0")
-        shots = load_problems(args.train_path, "train_path", args.num_shots)
-
-    async def main() -> dict[str, Any]:
-        async with open_session(1) as session:
-            endpoint = await endpoint_from_args(session, args)
-        return await evaluate(
-            endpoint,
-            problems,
-            shots,
-            max_concurrency=args.max_concurrency,
-            max_tokens=args.max_tokens,
-            progress=not args.disable_tqdm,
-        )
-
-    result = asyncio.run(main())
-    result.update(data_path=args.data_path, train_path=args.train_path, command=getattr(args, "command_line", ""))
-    first_error = result["questions"][0]["error"]
-    if not args.save_detailed:
-        del result["questions"]
-    write_json(output, result)
-    print(summary_line(result))
-    if output is not None:
-        print(f"results: {output}", file=sys.stderr)
-    if result["failed"] == result["num_questions"]:  # an accuracy of 0 that measured nothing
-        print(f"error: every request failed, the first with: {first_error}", file=sys.stderr)
-        return 1
-    return 0

@@ -11,27 +11,21 @@ so a server that honours `seed` gives the same answers on a rerun.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from dspark.bench.client import (
     Endpoint,
     RequestInput,
     RequestResult,
-    add_server_args,
-    endpoint_from_args,
     open_session,
     run_requests,
 )
 from dspark.errors import ConfigError
-from dspark.evals.data import read_jsonl_records
 from dspark.evals.degeneration import DegenerationConfig, check
+from dspark.utils.jsonl import read_jsonl_records
 
 MAX_TOKENS = 1024  # FastChat's default answer length for MT-bench
 
@@ -156,76 +150,3 @@ def summary(result: dict[str, Any]) -> str:
         f"{result['output_throughput']:.1f} output tok/s | {result['model_id']}"
     )
     return "\n".join(lines)
-
-
-# ---- command line -------------------------------------------------------------------------------------------------
-
-MTBENCH_EPILOG = """\
-examples:
-  dspark eval mtbench --backend openai-chat --data-path mt_bench/question.jsonl --output-json mtbench.json
-  dspark eval mtbench --backend openai-chat --data-path question.jsonl --num-turns 2 --max-tokens 512 \\
-      --max-concurrency 16 --seed 1
-"""
-
-
-def add_parser(
-    subparsers: Any, formatter_class: type[argparse.HelpFormatter] = argparse.RawDescriptionHelpFormatter
-) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "mtbench",
-        help="answer the MT-bench questions, save the answers, flag degenerate ones",
-        description="MT-bench through an OpenAI-compatible server at temperature 1: the answers go to a JSON file\n"
-        "and each is checked for loops, repeated n-grams and runaway length; no judge is run.",
-        epilog=MTBENCH_EPILOG,
-        formatter_class=formatter_class,
-    )
-    add_server_args(p, max_concurrency=32)
-    g = p.add_argument_group("mtbench")
-    g.add_argument("--data-path", metavar="FILE.jsonl", help="the questions: MT-bench question.jsonl (required)")
-    g.add_argument("--num-questions", metavar="N", type=int, help="the first N questions (default: all)")
-    g.add_argument("--num-turns", type=int, choices=(1, 2), default=1, help="(default: 1; 2 needs openai-chat)")
-    g.add_argument("--temperature", metavar="T", type=float, default=1.0, help="(default: %(default)s)")
-    g.add_argument("--max-tokens", metavar="N", type=int, default=MAX_TOKENS, help="(default: %(default)s)")
-    g.add_argument("--seed", metavar="N", type=int, default=0, help="request i gets seed N + i (default: 0)")
-    g.add_argument("--output-json", metavar="PATH", help="(default: mtbench-<model>-<date>.json here)")
-    p.set_defaults(func=cmd_eval_mtbench)
-    return p
-
-
-def cmd_eval_mtbench(args: argparse.Namespace) -> int:
-    from dspark.cli import output_path, write_json
-
-    output = output_path(args.output_json)
-    if args.num_questions is not None and args.num_questions < 1:
-        raise ConfigError("num_questions", args.num_questions, "a positive integer (or leave it out: all)")
-    if args.max_tokens < 1:
-        raise ConfigError("max_tokens", args.max_tokens, "a positive integer")
-    check_turns(args.num_turns, args.backend)
-    questions = load_questions(args.data_path, args.num_questions)
-
-    async def main() -> dict[str, Any]:
-        async with open_session(1) as session:
-            endpoint = await endpoint_from_args(session, args)
-        return await evaluate(
-            endpoint,
-            questions,
-            num_turns=args.num_turns,
-            temperature=args.temperature,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-            max_concurrency=args.max_concurrency,
-            progress=not args.disable_tqdm,
-        )
-
-    result = asyncio.run(main())
-    result.update(data_path=args.data_path, command=getattr(args, "command_line", ""))
-    if output is None:
-        output = Path(f"mtbench-{Path(result['model_id']).name or 'model'}-{result['date']}.json")
-    write_json(output, result)
-    print(summary(result))
-    print(f"answers: {output}", file=sys.stderr)
-    if result["failed"] == result["num_answers"]:
-        first_error = result["questions"][0]["errors"][0]
-        print(f"error: every request failed, the first with: {first_error}", file=sys.stderr)
-        return 1
-    return 0

@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from dspark.cli import add_engine_args, engine_config
+from dspark.engine.args import add_engine_args, engine_config
 from dspark.errors import ConfigError
 from dspark.models.registry import DEFAULT_MODEL
 

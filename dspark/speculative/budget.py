@@ -182,3 +182,17 @@ def drafting_verdict(
     plain_ms = float(cost.plain_step_ms(num_reqs, num_other_tokens))
     rate = {True: gain / spec_ms, False: num_reqs / plain_ms}
     return Verdict(rate[True] * (1.0 + margin) > rate[False], rate, {True: spec_ms, False: plain_ms})
+
+
+def initial_prior(k: int) -> torch.Tensor:
+    """[K] float64 survivals assumed for a request whose own are not known yet, before any block is seen:
+    0.5 ** (j + 1) at position j (0-based)."""
+    return 0.5 ** torch.arange(1, k + 1, dtype=torch.float64)
+
+
+def update_prior(prior: torch.Tensor, survivals: torch.Tensor) -> torch.Tensor:
+    """The prior [K] after one step's blocks: 0.9 * prior + 0.1 * the mean row of `survivals` [R, K] (the live
+    survivals of the requests that held a draft); with no rows, the prior unchanged."""
+    if survivals.shape[0] == 0:
+        return prior
+    return 0.9 * prior + 0.1 * survivals.double().mean(dim=0)

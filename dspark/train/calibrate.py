@@ -108,7 +108,7 @@ def calibrate_drafter(trace_path: Path, drafter_dir: Path) -> dict[str, object]:
     confidences and how many drafts survived), store the temperatures and shifts in the drafter's config.json, and
     report the survival ECE before and after. The recorded confidences are undone with the scaling the trace's header
     says they were recorded with (else the config's), so fitting twice on one trace gives the same result."""
-    from dspark.bench.simulate import load_trace
+    from dspark.speculative.trace import load_trace
 
     trace = load_trace(trace_path)
     blocks = [b for stream in trace.streams.values() for b in stream if b.num_drafts == trace.K]

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from dspark.bench.simulate import Trace, load_trace
 from dspark.config import SamplingParams
 from dspark.errors import ConfigError
 from dspark.llm import LLM
 from dspark.speculative.drafters.dspark.config import DSparkConfig
+from dspark.speculative.trace import Trace, load_trace
 from dspark.train.calibrate import (
     NUM_BINS,
     calibrated_survival,

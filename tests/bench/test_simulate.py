@@ -14,24 +14,22 @@ import torch
 from dspark.bench.simulate import (
     CONFIDENCE_POLICIES,
     StepInputs,
-    TraceError,
-    add_parser,
     b300_like,
     ema_study,
     ema_update,
     get_policy,
     load_cost,
-    load_trace,
-    markdown_table,
-    plot,
     policy_names,
     run_all,
     simulate,
     simulate_policies,
 )
+from dspark.bench.simulate_report import markdown_table, plot
+from dspark.cli.simulate import add_parser
 from dspark.errors import ConfigError
 from dspark.speculative.budget import survival
 from dspark.speculative.cost_model import CostModel
+from dspark.speculative.trace import TraceError, load_trace
 
 K = 7
 

@@ -21,8 +21,8 @@ from dspark.bench.sweep import (
     parse_arm,
     run_sweep,
     sweep_prompts,
-    write_outputs,
 )
+from dspark.bench.sweep_report import paired_adaptive_ratio, write_outputs
 from dspark.cli import main
 from dspark.config import EngineConfig, SpeculativeConfig
 from dspark.errors import ConfigError
@@ -381,7 +381,7 @@ def test_the_held_plain_arm_is_adaptives_engine_that_never_drafts(
     assert result["config"]["arms"]["adaptive:plain"]["enable_adaptive_verification"] is True
     arms = {a: {"rounds_output_throughput": [1.0, 1.0]} for a in ("no-spec", "adaptive")}
     arms["adaptive:plain"] = {"rounds_output_throughput": [9.0, 9.0]}
-    assert sweep_module.paired_adaptive_ratio(arms) == pytest.approx(1.0)
+    assert paired_adaptive_ratio(arms) == pytest.approx(1.0)
 
 
 def test_interleaved_arms_take_turns_row_by_row(
@@ -443,7 +443,7 @@ def test_paired_ratio_pairs_rounds() -> None:
         "adaptive": {"rounds_output_throughput": [98.0, 69.0, 45.0]},
     }
     # rounds: 98 / 100, 69 / 70, 45 / 90 -> median 0.98 (the ratio of medians: 69 / 90)
-    assert sweep_module.paired_adaptive_ratio(arms) == pytest.approx(0.98)
-    assert sweep_module.paired_adaptive_ratio({"adaptive": arms["adaptive"]}) is None
+    assert paired_adaptive_ratio(arms) == pytest.approx(0.98)
+    assert paired_adaptive_ratio({"adaptive": arms["adaptive"]}) is None
     one_round = {a: {"rounds_output_throughput": r["rounds_output_throughput"][:1]} for a, r in arms.items()}
-    assert sweep_module.paired_adaptive_ratio(one_round) is None
+    assert paired_adaptive_ratio(one_round) is None

@@ -12,7 +12,8 @@ from typing import TextIO
 import pytest
 
 from dspark import LLM, SamplingParams
-from dspark.cli import ChatSession, main
+from dspark.cli import main
+from dspark.cli.generate import ChatSession
 
 SMALL_ENGINE = ["--num-kv-blocks", "128", "--temperature", "0"]
 

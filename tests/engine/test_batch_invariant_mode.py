@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from dspark.attention.base import AttentionMetadata, KVCache
-from dspark.cli import add_engine_args, engine_config
 from dspark.config import EngineConfig
+from dspark.engine.args import add_engine_args, engine_config
 from dspark.errors import ConfigError
 from helpers import interpreted_verdicts, run_interpreted
 

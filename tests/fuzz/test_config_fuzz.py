@@ -16,8 +16,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dspark.cli import engine_config
 from dspark.config import EngineConfig, SamplingParams, SpeculativeConfig
+from dspark.engine.args import engine_config
 from dspark.errors import ConfigError
 
 # Derandomized (the same examples on every run, as CI needs) and no example database (nothing written to the tree).

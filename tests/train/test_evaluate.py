@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.bench.simulate import load_trace
-from dspark.bench.throughput import read_jsonl_prompts
 from dspark.cli import main
 from dspark.models.loader import load_config
 from dspark.speculative.drafters.dspark.checkpoint import random_drafter, save_drafter
 from dspark.speculative.drafters.dspark.config import DSparkConfig
+from dspark.speculative.trace import load_trace
 from dspark.train.calibrate import fit_sts, logits_from_confidences, survival_outcomes
 from dspark.train.evaluate import acceptance, auroc, calibration, evaluate_drafter, markdown_table
+from dspark.utils.jsonl import read_jsonl_prompts
 
 K = 4
 PROMPTS = ["What is 2 + 2?", "Write a haiku about tea.", "Name three rivers.", "Count to five."]

@@ -9,6 +9,8 @@ from typing import Any
 
 from dspark.bench.client import add_server_args, endpoint_from_args, open_session
 from dspark.bench.load import LoadSettings, run_load, summary_line
+from dspark.cli.common import Formatter
+from dspark.utils.results import write_json
 
 LOAD_EPILOG = """\
 Start a server first; with its pid, the server's memory is read from /proc before and after each round. The exit
@@ -21,10 +23,7 @@ examples:
 """
 
 
-def add_parser(
-    subparsers: Any, formatter_class: type[argparse.HelpFormatter] = argparse.RawDescriptionHelpFormatter
-) -> argparse.ArgumentParser:
-    """Register `load` on the `bench` subparsers (cli.py passes its own formatter)."""
+def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "load",
         help="hold a running server under streaming load with disconnects; check outputs, leaks and memory",
@@ -32,7 +31,7 @@ def add_parser(
         "a --disconnect-fraction of them hanging up mid-stream; then check every completed output against the\n"
         "prompt's output alone, that the server holds no request or KV block, and its memory across rounds.",
         epilog=LOAD_EPILOG,
-        formatter_class=formatter_class,
+        formatter_class=Formatter,
     )
     add_server_args(p, concurrency_flag=False)
     d = LoadSettings()
@@ -66,12 +65,9 @@ def add_parser(
     )
     g.add_argument("--output-json", metavar="PATH", help="write the summary here")
     p.set_defaults(func=cmd_bench_load)
-    return p
 
 
 def cmd_bench_load(args: argparse.Namespace) -> int:
-    from dspark.cli import write_json
-
     settings = LoadSettings(
         concurrency=args.concurrency,
         duration=args.duration,

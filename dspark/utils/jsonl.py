@@ -1,4 +1,5 @@
-"""JSON-lines evaluation files (gzipped when the name ends in .gz), read with errors that name the file and line."""
+"""JSON-lines files (gzipped when the name ends in .gz): records and prompts, read with errors that name the flag, the
+file and the line."""
 
 from __future__ import annotations
 
@@ -40,3 +41,24 @@ def numbered_jsonl_records(path: str | None, field: str, wanted: str) -> list[tu
     if not records:
         raise ConfigError(field, path, f"holds no records; expected {wanted}")
     return records
+
+
+def read_jsonl_prompts(path: Path) -> list[str]:
+    """Prompts from a JSON-lines file (gzipped if it ends in .gz): each line's "prompt", else its first "turns" entry,
+    else its "question"."""
+    wanted = "prompts (a string 'prompt', 'turns' (a list) or 'question' per line)"
+    prompts = []
+    for lineno, record in numbered_jsonl_records(str(path), "dataset_path", wanted):
+        text = _prompt_of(record)
+        if not text:
+            raise ConfigError("dataset_path", f"{path}:{lineno}", f"needs {wanted}")
+        prompts.append(text)
+    return prompts
+
+
+def _prompt_of(record: dict[str, Any]) -> str | None:
+    turns = record.get("turns")
+    for text in (record.get("prompt"), turns[0] if isinstance(turns, list) and turns else None, record.get("question")):
+        if isinstance(text, str) and text:
+            return text
+    return None
