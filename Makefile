@@ -23,3 +23,4 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check dspark tests
 	$(VENV)/bin/ruff format --check dspark tests
+	$(VENV)/bin/lint-imports

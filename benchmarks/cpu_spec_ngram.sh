@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU, n-gram (prompt lookup) speculation against none on GSM8K and MT-bench prompts (../shared/data, DeepSpec's
 # eval sets: first turn through the chat template), batch 1 and 8, greedy, fp32 (exact: both arms emit identical
-# tokens). 2 rounds with the arms alternating; medians. For the issue-3 closing note and the README.
+# tokens). 2 rounds with the arms alternating; medians. Results: benchmarks/results/README.md.
 # Usage: bash benchmarks/cpu_spec_ngram.sh   (writes benchmarks/results/cpu-spec-ngram-<set>.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."

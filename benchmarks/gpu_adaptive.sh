@@ -12,7 +12,7 @@ DATA=${DATA:-.device/data}
 K=7
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-[ -n "${SKIP_TESTS:-}" ] || python -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -15
+[ -n "${SKIP_TESTS:-}" ] || python -m pytest -q -s -m gpu tests/ -p no:cacheprovider 2>&1 | tail -15
 python -m dspark profile --device cuda --dtype bfloat16 \
     --speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $K}" \
     --output-json "$OUT/h200-cost-smollm2-ngram-k$K.json" --output-plot "$OUT/h200-cost-smollm2-ngram-k$K.png" 2>&1 | tail -40

@@ -5,7 +5,7 @@
 set -uo pipefail
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-[ -n "${SKIP_TESTS:-}" ] || python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -15
+[ -n "${SKIP_TESTS:-}" ] || python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -15
 for set in gsm8k mt-bench; do
   python -m dspark bench spec --device cuda --dtype bfloat16 --dataset-path "${DATA:-.device/data}/$set.jsonl" --num-prompts 16 \
     --output-len 128 --batch-size 1 --batch-size 16 --batch-size 64 \

@@ -1,5 +1,5 @@
 """GSM8K through `dspark serve` with no speculation, fixed k and adaptive verification: the same accuracy, and at
-temperature 0 the same completions, question by question (issue 7).
+temperature 0 the same completions, question by question.
 
     python benchmarks/gsm8k_arms.py --data-dir ../shared/data --num-questions 200 --output-json gsm8k-arms.json
 

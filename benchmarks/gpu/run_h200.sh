@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU path on the H200s (issue 6), in runs of at most 10 minutes (../shared/device/README.md):
+# The GPU path on the H200s, in runs of at most 10 minutes (../shared/device/README.md):
 #   PHASE=check : GPU 0 runs the GPU tests (CUDA graphs, no host sync, fused kernels, sampling); GPU 1 runs a small
 #                 sweep (no-spec, fixed-7, adaptive at C = 1, 64, 256, T = 0).
 #   PHASE=diag  : GPU 0 runs the GPU tests, then traces plain and drafting steps (no-spec, adaptive held plain,
@@ -14,7 +14,7 @@
 #                 T = 0 and 1, GOAL_REPEATS (7) rounds; the table's paired column is the median of per-round ratios.
 #   PHASE=prefill: the phases of a prefill step, no-spec against adaptive, at C = 1 and 16, async and sync
 #                 (prefill_profile.py) on the last GPU; the GPU tests on GPU 0.
-#   PHASE=verify : the GPU tests on GPU 0; session 6's t1-check (a fresh engine's first row, T = 1) on the last GPU.
+#   PHASE=verify : the GPU tests on GPU 0; the t1-check (a fresh engine's first row, T = 1) on the last GPU.
 #   PHASE=ab     : verify_plain against verify()'s row-by-row path (step_profile.py fixed-k configs) at C = 1, 64,
 #                 256, T = 1 then 0, alone on the last GPU.
 #   PHASE=plan   : planning's share of a drafting step at C = 256 and 1024 (step_profile.py adaptive-drafting).
@@ -23,17 +23,17 @@
 #                 configs alternating; then the top host functions (--cprofile) of each at the first C. Adaptive runs
 #                 with its regime free (it asks the cost model, as in the sweep; it does not draft there).
 #   PHASE=abtree : host changes against an older commit in one window (the host's speed moved 1.5-2x between windows
-#                 in session 9): step_profile.py from .ab/base (benchmarks/gpu/ab_prepare.sh REV, carried as ".ab")
-#                 and from this tree, alternating AB_ROUNDS (3) times at AB_CONCS (256 1024), AB_CONFIGS (no-spec), T =
-#                 AB_TEMP (0). Each process imports its own tree's dspark (PYTHONPATH first); the drafter's weights are
-#                 this tree's (linked).
+#                 in benchmarks/results/h200/gpu-path/2026-12-01-3229528): step_profile.py from .ab/base
+#                 (benchmarks/gpu/ab_prepare.sh REV, carried as ".ab") and from this tree, alternating AB_ROUNDS (3)
+#                 times at AB_CONCS (256 1024), AB_CONFIGS (no-spec), T = AB_TEMP (0). Each process imports its own
+#                 tree's dspark (PYTHONPATH first); the drafter's weights are this tree's (linked).
 #   PHASE=invariant: batch_invariant mode (--batch-invariant): no-spec, fixed-7 and adaptive at C = 1, 16, 256 (T = 0,
 #                 greedy identity with no-spec per row), then no-spec without it at the same C: the mode's cost.
 #   PHASE=attention: the attention kernel against the copy roofline, and the step-cost curves (plot).
 #   PHASE=sweep : the full sweep, one temperature per GPU (T = 0 on GPU 0, T = 1 on the last), with the hf arm.
-#   PHASE=serve : issue 7 on the GPU: `dspark serve` per arm (no-spec, fixed-7, adaptive) on GPU 0, loaded by
+#   PHASE=serve : `dspark serve` per arm (no-spec, fixed-7, adaptive) on GPU 0, loaded by
 #                 `dspark bench serve` with GSM8K prompts at C = 1, 16, 256 (256 tokens, ignore_eos, T = 0).
-# The GPU tests get 420 s: on a fresh machine they took more than 330 s in session 3 (engine start-ups: GGUF parse,
+# The GPU tests get 420 s: on a fresh machine they took more than 330 s on 2026-11-30 (engine start-ups: GGUF parse,
 # Triton compiles, graph capture), and were cut there.
 # Everything lands in $OUT. Usage there: source .device/setup.sh && PHASE=check bash benchmarks/gpu/run_h200.sh
 # The prompts: .device/data, made here by benchmarks/gpu/data_prepare.sh and carried.
@@ -91,8 +91,8 @@ elif [ "$PHASE" = diag ]; then
 elif [ "$PHASE" = quiet ]; then
   # The goal's comparison with nothing else on the machine: one temperature per GPU, 3 alternating rounds, async
   # scheduling's gain in the same run (no-spec:sync), hf at C = 256 at T = 0.
-  # QUIET_TEMPS="0" (or "1") runs one temperature alone: session 4's replicate with both at once on one host swung
-  # by 20-25% between rounds.
+  # QUIET_TEMPS="0" (or "1") runs one temperature alone: a replicate with both at once on one host swung
+  # by 20-25% between rounds (benchmarks/results/h200/gpu-path/2026-11-30-3d0913e, run C).
   for i in 0 "$LAST"; do
     t=$([ "$i" = 0 ] && echo 0 || echo 1); hf=$([ "$i" = 0 ] && echo "--hf-concurrency 256")
     case " ${QUIET_TEMPS:-0 1} " in *" $t "*) ;; *) continue ;; esac
@@ -119,8 +119,9 @@ elif [ "$PHASE" = goal ]; then
     > "$OUT/goal.log"
   grep ROW "$OUT/goal.log" | sed 's/ ROW.*//' | tail -40; tail -3 "$OUT/goal.log"; cat "$OUT/goal.md"
 elif [ "$PHASE" = prefill ]; then
-  # Session 3's open lead: adaptive's prefill steps cost 11-16 ms more than no-spec's. The phases of a prefill step
-  # with async scheduling (and one step under torch.profiler), then without, on the last GPU; GPU 0 runs the GPU tests.
+  # A lead from benchmarks/results/h200/gpu-path/2026-11-30-6e5334e: adaptive's prefill steps cost 11-16 ms more
+  # than no-spec's. The phases of a prefill step with async scheduling (and one step under torch.profiler), then
+  # without, on the last GPU; GPU 0 runs the GPU tests.
   (on 0 420 python -m pytest -q -m gpu tests/test_gpu.py tests/models/test_fused_ops.py 2>&1 | quiet | tail -30 \
     > "$OUT/gpu-tests.log") &
   (
@@ -133,7 +134,7 @@ elif [ "$PHASE" = prefill ]; then
   grep -A1 "prefill step" "$OUT"/prefill-profile*.log
   cat "$OUT/gpu-tests.log"
 elif [ "$PHASE" = verify ]; then
-  # Session 7: the GPU tests on GPU 0; on the last GPU a fresh engine's first row at T = 1 (session 6's t1-check:
+  # The GPU tests on GPU 0; on the last GPU a fresh engine's first row at T = 1 (the t1-check:
   # no-spec and adaptive at C = 64 and 256 after a 4-token warm-up, 3 rounds), which counts the steps that drafted.
   (on 0 420 python -m pytest -q -m gpu tests/engine/test_batch_invariant_mode.py tests/test_gpu.py \
     tests/models/test_fused_ops.py 2>&1 | quiet | tail -30 > "$OUT/gpu-tests.log") &
@@ -146,7 +147,7 @@ elif [ "$PHASE" = verify ]; then
   cat "$OUT/gpu-tests.log"
   grep ROW "$OUT/t1-check.log" | sed 's/ ROW.*//'; cat "$OUT/t1-check.md"
 elif [ "$PHASE" = ab ]; then
-  # Session 7: verification decided on the device (verify_plain) against the row-by-row path (verify(), configs
+  # Verification decided on the device (verify_plain) against the row-by-row path (verify(), configs
   # *-rowwise), fixed-1 and fixed-7 at C = 1, 64, 256 (AB_TEMPS: 1 0), alone on the last GPU, the two paths alternating.
   for t in ${AB_TEMPS:-1 0}; do
     on "$LAST" "${AB_S:-250}" python benchmarks/gpu/step_profile.py --device cuda --concurrency 1 64 256 --steps 30 \
@@ -203,7 +204,7 @@ elif [ "$PHASE" = attention ]; then
   on 0 150 python -m dspark profile --device cuda --speculative-config "$SPEC" \
     --output-json "$OUT/h200-cost-dspark.json" --output-plot "$OUT/h200-cost-dspark.png" 2>&1 | quiet | tail -15
 elif [ "$PHASE" = final ]; then
-  # What fits the session's last minutes of device time: GPU 0 sweeps T = 0 with the hf arm at C = 256; the last GPU
+  # What fits in a few minutes of device time: GPU 0 sweeps T = 0 with the hf arm at C = 256; the last GPU
   # profiles the step's phases, then sweeps T = 1. One wave of C prompts per row, four arms, four concurrencies.
   ARMS="--arm no-spec --arm adaptive --arm fixed-7 --arm fixed-3"
   sweep() {

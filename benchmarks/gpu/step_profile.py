@@ -40,7 +40,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # allocation, phase planner.plan) where the measured regime would run plain steps
     "adaptive-drafting": {"method": "dspark", "num_speculative_tokens": 7},
     # the regime held plain: what an adaptive engine's plain step costs beside a no-spec one (on the H200 at T = 1,
-    # C = 256, +0.27 ms of host time a step, session 6's plain_step_trace.py)
+    # C = 256, +0.27 ms of host time a step, plain_step_trace.py in 2026-11-30-4a166c4)
     "adaptive-plain": {"method": "dspark", "num_speculative_tokens": 7},
 }
 
@@ -72,9 +72,10 @@ def profile(
 ) -> dict[str, Any]:
     # A fixed KV cache: engines built one after another in one process must not size it from memory still held. It
     # holds every request's whole life (prompt, steps * 8 + 64 tokens, the drafter's lookahead) with room to spare.
-    # NOTE: the sweep's settings (bench sweep: 8192 batched tokens, final_only outputs). Session 4 profiled with the
-    # default 2048 tokens, which let only 256 drafting requests (8 tokens each) into a step at C = 1024, and streamed
-    # outputs, whose per-request objects were most of a no-spec step's host time at C = 1024 (17 of 27 ms).
+    # NOTE: the sweep's settings (bench sweep: 8192 batched tokens, final_only outputs). The profile of
+    # 2026-11-30-3d0913e ran with the default 2048 tokens, which let only 256 drafting requests (8 tokens each) into a
+    # step at C = 1024, and streamed outputs, whose per-request objects were most of a no-spec step's host time at
+    # C = 1024 (17 of 27 ms).
     llm = LLM(
         device=device,
         max_num_seqs=max(concurrency, 16),
@@ -189,7 +190,8 @@ def profile(
     row["num_running"] = len(engine.scheduler.running)
     row["max_num_batched_tokens"], row["output_kind"] = max_num_batched_tokens, output_kind
     row["eager_steps"] = dict(eager)
-    # the spread too: a few slow steps (not the median) were adaptive's whole loss at T = 1, C >= 256 in session 7
+    # the spread too: a few slow steps (not the median) were adaptive's whole loss at T = 1, C >= 256 in the runs of
+    # 2026-12-01-ba2d49f
     row["steps_by_kind"] = {
         k: {
             "count": len(v),
