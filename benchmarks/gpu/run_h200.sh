@@ -52,7 +52,7 @@ quiet() { tr '\r' '\n' | grep -v "it/s\|s/it" ; }
 on() { CUDA_VISIBLE_DEVICES=$1 timeout "$2" "${@:3}"; }
 
 if [ "$PHASE" = check ]; then
-  (on 0 420 python -m pytest -q -m gpu -s tests/test_gpu.py tests/models/test_fused_ops.py 2>&1 | quiet \
+  (on 0 420 python -m pytest -q -m gpu -s tests/ 2>&1 | quiet \
     > "$OUT/gpu-tests.log") &
   (on "$LAST" 170 python -m dspark bench sweep --device cuda --speculative-config "$SPEC" --arm no-spec \
       --arm fixed-7 --arm adaptive --concurrency 1 64 256 --temperature 0 --output-len 128 --data-dir "$DATA" \
@@ -61,7 +61,7 @@ if [ "$PHASE" = check ]; then
   grep -v "^\.*$" "$OUT/gpu-tests.log" | tail -40
   cat "$OUT/check-last.log"
 elif [ "$PHASE" = profile ]; then
-  (on 0 150 python -m pytest -q -m gpu -x tests/test_gpu.py -k "graphs or sync or sampling" \
+  (on 0 150 python -m pytest -q -m gpu -x tests/ -k "graphs or sync or sampling" \
     tests/models/test_fused_ops.py 2>&1 | quiet | tail -25 > "$OUT/gpu-tests.log") &
   (on "$LAST" 150 python benchmarks/gpu/step_profile.py --device cuda --concurrency 1 64 256 \
     --output "$OUT/step-profile.json" > "$OUT/step-profile.log" 2>&1) &
@@ -69,7 +69,7 @@ elif [ "$PHASE" = profile ]; then
   cat "$OUT/gpu-tests.log" "$OUT/step-profile.log" | grep -v "it/s\|s/it"
 elif [ "$PHASE" = diag ]; then
   (
-    on 0 420 python -m pytest -q -m gpu tests/test_gpu.py tests/models/test_fused_ops.py 2>&1 | quiet | tail -30 \
+    on 0 420 python -m pytest -q -m gpu tests/ 2>&1 | quiet | tail -30 \
       > "$OUT/gpu-tests.log"
     on 0 200 python benchmarks/gpu/plain_step_trace.py --concurrency 1 256 --config no-spec adaptive fixed-7 \
       --steps 20 --top 15 > "$OUT/step-trace.log" 2>&1
@@ -122,7 +122,7 @@ elif [ "$PHASE" = prefill ]; then
   # A lead from benchmarks/results/h200/gpu-path/2026-11-30-6e5334e: adaptive's prefill steps cost 11-16 ms more
   # than no-spec's. The phases of a prefill step with async scheduling (and one step under torch.profiler), then
   # without, on the last GPU; GPU 0 runs the GPU tests.
-  (on 0 420 python -m pytest -q -m gpu tests/test_gpu.py tests/models/test_fused_ops.py 2>&1 | quiet | tail -30 \
+  (on 0 420 python -m pytest -q -m gpu tests/ 2>&1 | quiet | tail -30 \
     > "$OUT/gpu-tests.log") &
   (
     on "$LAST" 240 python benchmarks/gpu/prefill_profile.py --device cuda --concurrency 1 16 --data-dir "$DATA" \
@@ -136,7 +136,7 @@ elif [ "$PHASE" = prefill ]; then
 elif [ "$PHASE" = verify ]; then
   # The GPU tests on GPU 0; on the last GPU a fresh engine's first row at T = 1 (the t1-check:
   # no-spec and adaptive at C = 64 and 256 after a 4-token warm-up, 3 rounds), which counts the steps that drafted.
-  (on 0 420 python -m pytest -q -m gpu tests/engine/test_batch_invariant_mode.py tests/test_gpu.py \
+  (on 0 420 python -m pytest -q -m gpu tests/ \
     tests/models/test_fused_ops.py 2>&1 | quiet | tail -30 > "$OUT/gpu-tests.log") &
   (on "$LAST" "${T1CHECK_S:-300}" python -m dspark bench sweep --device cuda --speculative-config "$SPEC" \
     --arm no-spec --arm adaptive --concurrency 64 256 --temperature 1 --repeats 3 --output-len 256 --waves 1 \
