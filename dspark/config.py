@@ -30,7 +30,7 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
 
 
 def _check_bool(name: str, value: object) -> None:
-    # NOTE: no truthiness: "false" or 0 from a config file would otherwise quietly mean the opposite of, or other than,
+    # No truthiness: "false" or 0 from a config file would otherwise quietly mean the opposite of, or other than,
     # what was meant.
     if not isinstance(value, bool):
         raise ConfigError(name, value, "true or false")
@@ -144,7 +144,7 @@ class SpeculativeConfig:
     draft_sample_method: "probabilistic" drafts by sampling the drafter's distribution and verifies by rejection
     sampling; "greedy" drafts its argmax and verifies strictly (the same tokens as without speculation for a seed).
     prompt_lookup_min / prompt_lookup_max: n-gram lengths the "ngram" method matches.
-    enable_adaptive_verification: confidence-scheduled verification (DESIGN.md section 4): each step verifies the
+    enable_adaptive_verification: confidence-scheduled verification (docs/scheduling.md): each step verifies the
     drafts that buy the most tokens per millisecond, up to num_speculative_tokens per request; false: every draft.
     adaptive_verification_mode: "async" (the budget from survivals one or two steps old, the drafts from live ones:
     the step never waits) or "sync" (the paper's Algorithm 1 on live survivals, with its early stop). Both lossless.

@@ -27,7 +27,7 @@ class _Shown(reprlib.Repr):
     sys.get_int_max_str_digits(), repr raises ValueError)."""
 
     def __init__(self) -> None:
-        super().__init__()  # NOTE: limits as attributes: Python 3.11's Repr takes no arguments
+        super().__init__()  # limits as attributes: Python 3.11's Repr takes no arguments
         self.maxlevel, self.maxstring, self.maxother, self.maxlong = 4, MAX_SHOWN, MAX_SHOWN, MAX_SHOWN
         self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 10
 

@@ -119,12 +119,12 @@ def patch_triton_interpreter() -> None:
     (interpreter runs only).
 
     - tl.dot multiplies bfloat16 operands as their raw uint16 bits: widen them to fp32 first (exact).
-    - tl.dot is numpy's matmul, whose summation order is the BLAS kernel's: with OpenBLAS on an AMD EPYC (session 6)
-      a row's bits depended on its position in the tile, so a kernel whose tiles never depend on the batch still
-      failed the batch-invariance checks. The dot is summed over K in order instead, one fp32 product and add at a
-      time for every element (as the kernels' per-element reduction order is fixed). NOTE: a chain of
-      `acc = tl.dot(a, b, acc)` then becomes one sequential sum over all of K, multiply then add (no FMA), so the
-      interpreter cannot catch a kernel whose BLOCK_K depended on the batch; the GPU cases can.
+    - tl.dot is numpy's matmul, whose summation order is the BLAS kernel's: with some BLAS builds (OpenBLAS) a row's
+      bits depend on its position in the tile, so a kernel whose tiles never depend on the batch could still fail
+      the batch-invariance checks. The dot is summed over K in order instead, one fp32 product and add at a time for
+      every element (as the kernels' per-element reduction order is fixed). A chain of `acc = tl.dot(a, b, acc)`
+      then becomes one sequential sum over all of K, multiply then add (no FMA), so the interpreter cannot catch a
+      kernel whose BLOCK_K depended on the batch; the GPU cases can.
     - with NumPy >= 2.4, a loop bound loaded from memory (a 1-element array) cannot be used by range().
     - fp32 -> bf16 casts truncate (the cast passes no rounding mode, and the interpreter's round-to-nearest does not
       carry into the exponent): round to nearest even instead, as the GPU's cvt.rn.bf16.f32 does. Our kernels ask
@@ -197,7 +197,7 @@ def run_interpreted(run: Any, names: list[str]) -> dict[str, str]:
 def hold_drafting(engine: Any) -> None:
     """Every step of this LLMEngine drafts: adaptive verification still picks each step's budget, but the regime no
     longer follows measured step times, which for a tiny model on a loaded CI machine are noise and may keep every
-    step plain (a CI run's n-gram server drafted nothing). For tests whose subject is speculation's output."""
+    step plain. For tests whose subject is speculation's output."""
     assert engine.planner is not None, "adaptive verification is off: there is no regime to hold"
     engine.planner.regime.held = True
 

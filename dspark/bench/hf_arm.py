@@ -195,7 +195,7 @@ def _num_blocks(concurrency: int, max_len: int) -> int:
     a request never waits for cache (no dspark row preempts either)."""
     from transformers.generation import ContinuousBatchingConfig
 
-    # NOTE: tokens per cache block are page_size in 5.24 and block_size in 5.17 (256 by default in both).
+    # Tokens per cache block are page_size in 5.24 and block_size in 5.17 (256 by default in both).
     default = ContinuousBatchingConfig()
     page = getattr(default, "page_size", None) or default.block_size
     return concurrency * (math.ceil(max_len / page) + 1)

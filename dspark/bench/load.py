@@ -136,9 +136,8 @@ def percentiles_ms(seconds: list[float]) -> dict[str, float]:
 async def references(endpoint: Endpoint, inputs: list[RequestInput]) -> list[RequestResult]:
     """Each prompt alone, one after another, on fresh connections.
 
-    NOTE: not on the load's pool: after a round and the wait for the server to go idle, its kept-alive connections
-    have outlived the server's keep-alive timeout (uvicorn: 5 s), and reusing one failed as "Server disconnected"
-    (a 256-client run on SmolLM2)."""
+    Not on the load's pool: after a round and the wait for the server to go idle, its kept-alive connections may have
+    outlived the server's keep-alive timeout, and reusing one fails as "Server disconnected"."""
     async with open_session(1) as session:
         refs = [await send_request(session, endpoint, req) for req in inputs]
     for i, ref in enumerate(refs):
@@ -236,7 +235,7 @@ async def run_load(
     async with open_session(1) as session:
         before = await fetch_metrics(session, endpoint.base_url, endpoint.api_key)
     for k in range(settings.rounds):
-        # NOTE: a fresh pool per round: connections kept alive through the previous round's idle wait outlive the
+        # A fresh pool per round: connections kept alive through the previous round's idle wait outlive the
         # server's keep-alive timeout, and reusing one can fail as "Server disconnected". Two connections beyond
         # the clients, so /metrics polls never queue behind the load.
         async with open_session(settings.concurrency + 2) as session:

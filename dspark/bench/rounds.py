@@ -146,7 +146,7 @@ def _steps_delta(
 def _counters(engine: LLMEngine) -> dict[str, float]:
     metrics = engine.get_metrics()
     counters = {k: metrics.get(k, 0) for k in COUNTERS}
-    # NOTE: get_metrics() has the verify budget as a mean over the engine's life; its sum and step count give a row's.
+    # get_metrics() has the verify budget as a mean over the engine's life; its sum and step count give a row's.
     planner = engine.planner
     counters["verify_budget_sum"] = planner.sum_budget if planner is not None else 0
     counters["num_planned_steps"] = planner.num_planned_steps if planner is not None else 0

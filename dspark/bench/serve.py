@@ -1,12 +1,12 @@
 """`dspark bench serve`: load an OpenAI-compatible server over HTTP and report latency and throughput as vLLM does.
 
-The client mirrors `vllm bench serve` for the flags users reach for and writes the same result JSON keys (DESIGN.md
-section 7), so results from the two compare side by side. Requests stream (client.py says what is measured and
-how); they arrive all at once or as a Poisson process of --request-rate per second (drawn from --seed), and at most
---max-concurrency are in flight. Per request: TTFT, ITL (per chunk), TPOT = (E2E - TTFT) / (output tokens - 1) for
-requests with more than one token, E2E. Totals count successful requests only; failed ones are counted and their
-errors kept. The spec_decode_* fields come from the server's /metrics counters before and after the run
-(spec_metrics.py) and are absent when the server did not draft.
+The client mirrors `vllm bench serve` for the flags users reach for and writes the same result JSON keys, so results
+from the two compare side by side. Requests stream (client.py says what is measured and how); they arrive all at once
+or as a Poisson process of --request-rate per second (drawn from --seed), and at most --max-concurrency are in flight.
+Per request: TTFT, ITL (per chunk), TPOT = (E2E - TTFT) / (output tokens - 1) for requests with more than one token,
+E2E. Totals count successful requests only; failed ones are counted and their errors kept. The spec_decode_* fields
+come from the server's /metrics counters before and after the run (spec_metrics.py) and are absent when the server did
+not draft.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Trace-driven simulation of confidence-scheduled verification: which verify policy gives the most tokens per
-second on a cost curve, at each concurrency, without running a model (DESIGN.md sections 3-5).
+second on a cost curve, at each concurrency, without running a model (docs/scheduling.md).
 
 A trace (JSONL, recorded by the engine with a fixed k, so every draft's fate is observed) holds, per request and
 step, the calibrated confidences of its drafts and how many the target accepted. The simulator replays those blocks
@@ -229,7 +229,7 @@ def simulate_policies(
     num_steps = steps if steps is not None else max(math.ceil(min_blocks / concurrency), min_steps)
     chosen = [(name, get_policy(name, threshold)) for name in policies]
     cost = _TabulatedCost(cost, concurrency * (k + 1), concurrency)
-    # NOTE: no-spec runs no drafter, so its step pays the target pass alone
+    # no-spec runs no drafter, so its step pays the target pass alone
     draft_ms = torch.tensor([0.0 if name == "no-spec" else cost.draft_ms(concurrency) for name in policies])  # [P]
     sums = {
         key: torch.zeros(len(policies), dtype=torch.float64) for key in ("ms", "verified", "pred", "real", "blocks")
@@ -337,7 +337,7 @@ def ema_study(
     progress: bool = False,
 ) -> list[dict[str, Any]]:
     """adaptive-async's predicted minus realised accepted drafts, per verified draft, for each EMA alpha: the alpha
-    where it crosses zero is the one to trust (DESIGN.md section 4)."""
+    where it crosses zero is the one to trust (docs/scheduling.md, on smoothing)."""
     out = []
     grid = [(a, c) for a in alphas for c in concurrencies]
     for alpha, c in tqdm(grid, desc="ema study", file=sys.stderr, leave=False, disable=not progress):

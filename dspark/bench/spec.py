@@ -85,7 +85,7 @@ def run_spec_bench(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError("repeats", repeats, "must be a positive integer")
     prompts = load_prompts(dataset_path, num_prompts)
-    # NOTE: on a GPU each engine sizes its KV cache from the memory still free, so the first gets half the share and
+    # On a GPU each engine sizes its KV cache from the memory still free, so the first gets half the share and
     # the second, seeing the first's use, the rest.
     half = dataclasses.replace(config, gpu_memory_utilization=config.gpu_memory_utilization / 2)
     spec_llm = LLM(**dataclasses.asdict(half))
@@ -104,7 +104,7 @@ def run_spec_bench(
         for r in range(repeats):
             for llm, rounds, label in ((base_llm, base_rounds, "no-spec"), (spec_llm, spec_rounds, "spec")):
                 engine = llm.engine
-                engine.scheduler.max_num_seqs = batch  # NOTE: the only setting that differs between rows
+                engine.scheduler.max_num_seqs = batch  # the only setting that differs between rows
                 engine.kv.reset_prefix_cache()  # every round starts cold
                 rounds.append(run_round(engine, prompt_ids, params, f"b{batch} r{r + 1} {label}"))
         rows.append(_row(batch, base_rounds, spec_rounds, temperature))

@@ -1,7 +1,7 @@
 """Speculative-decoding statistics of a serving benchmark, from the server's /metrics before and after it.
 
-The counters are vLLM's (DESIGN.md section 7), under the `dspark:` prefix, or `vllm:` so the same client reads a vLLM
-server: `spec_decode_num_drafts_total`, `..._num_draft_tokens_total`, `..._num_accepted_tokens_total` and
+The counters are vLLM's, under the `dspark:` prefix, or `vllm:` so the same client reads a vLLM server:
+`spec_decode_num_drafts_total`, `..._num_draft_tokens_total`, `..._num_accepted_tokens_total` and
 `..._num_accepted_tokens_per_pos_total{position="i"}`. A counter with several label sets (e.g. one per model or
 engine) is summed. The statistics over the run are computed from the deltas, as `vllm bench serve` does:
 acceptance rate = accepted / draft tokens in percent, acceptance length = 1 + accepted / drafts, and per position i

@@ -224,7 +224,7 @@ def run_sweep(
     def record(arm: str, c: int, t: float, label: str, outcome: tuple[Round, list[list[int]]]) -> None:
         round_, token_ids[arm, c, t] = outcome
         rounds.setdefault((arm, c, t), []).append(round_)
-        # NOTE: the raw round on one line too, so a run cut short by a time limit still has every finished row.
+        # The raw round on one line too, so a run cut short by a time limit still has every finished row.
         raw = {"arm": arm, "concurrency": c, "temperature": t, "elapsed_s": round_.elapsed_s}
         raw |= {"output_tokens": round_.num_output_tokens, "counters": round_.counters}
         raw["step_median_ms"] = step_medians(round_)
@@ -261,8 +261,8 @@ def run_sweep(
         record(arm.name, c, t, label, run_row(engine, _row_ids(set_ids, sizes[c]), params, c, label))
 
     def release() -> None:
-        gc.unfreeze()  # NOTE: the engine froze the GC heap (engine.py); a frozen cycle is never collected
-        gc.collect()  # NOTE: the next arm's engine sizes its KV cache from the memory this one frees
+        gc.unfreeze()  # the engine froze the GC heap (engine/core.py); a frozen cycle is never collected
+        gc.collect()  # the next arm's engine sizes its KV cache from the memory this one frees
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
 
@@ -278,9 +278,8 @@ def run_sweep(
 
     if interleave:
         # Every arm's engine at once, each its share of the memory budget; the arms take turns row by row, the
-        # first of each row rotating by round. NOTE: on the H200 the host runs stretches of seconds up to 1.7x
-        # slower (session 7: same-config engines 2.5 against 3.6-4.5 ms a step at C = 256); whole engines in turn
-        # put such a stretch on one arm's rows, rows in turn share it.
+        # first of each row rotating by round. A host can run markedly slower for stretches of seconds: whole engines
+        # in turn put such a stretch on one arm's rows, rows in turn share it.
         llms = {arm.name: build(arm, (i + 1) / len(arm_list)) for i, arm in enumerate(arm_list)}
         for r in range(repeats):
             for t in temps:

@@ -29,7 +29,7 @@ def adaptive_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
 
 def paired_adaptive_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
     """The median over rounds of adaptive's throughput over the best baseline arm's in the same round; None without
-    both sides or with one round. NOTE: under --interleave a round's rows of one concurrency run back to back, so a
+    both sides or with one round. Under --interleave a round's rows of one concurrency run back to back, so a
     slow stretch of the host falls on both sides of each ratio; the ratio of medians can pair a slow round of one arm
     with a fast one of another."""
     baseline = [r for name, r in arms.items() if name == "no-spec" or name.startswith("fixed-")]
@@ -43,7 +43,7 @@ def paired_adaptive_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
 
 
 def hf_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
-    """No-spec's output throughput over transformers' (the issue's goal: >= 20x at C = 256); None without both."""
+    """No-spec's output throughput over transformers' (the project's target: >= 20x at C = 256); None without both."""
     if "no-spec" not in arms or HF not in arms:
         return None
     return arms["no-spec"]["output_throughput"] / arms[HF]["output_throughput"]

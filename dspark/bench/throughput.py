@@ -144,7 +144,7 @@ def run_hf(hf: Any, prompt_ids: list[list[int]], output_len: int, batch_size: in
     device = next(hf.parameters()).device
 
     def generate(batch: list[list[int]], num_tokens: int) -> torch.Tensor:
-        # NOTE: no eos_token_id, so EOS is an ordinary token as with dspark's ignore_eos: greedy outputs stay
+        # No eos_token_id, so EOS is an ordinary token as with dspark's ignore_eos: greedy outputs stay
         # comparable token for token (min_new_tokens would otherwise mask EOS and change the argmax where the model
         # wants to stop).
         config = transformers.GenerationConfig(

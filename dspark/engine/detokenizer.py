@@ -24,19 +24,17 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        # The Rust tokenizer directly: transformers' decode wraps it in ~2 us of Python per call, twice per token and
+        # The Rust tokenizer directly: transformers' decode wraps each call in Python, and it runs twice per token and
         # request. Equal text only without its clean-up of tokenization spaces, so only then.
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._fast = (
             backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
         )
-        # add() through the Rust tokenizer's own DecodeStream (the same windows, one call per token instead of two
-        # decodes and their slicing: 1.0 against 2.5 us a token with the SmolLM2 tokenizer on the 2-vCPU machine, in a
-        # micro-benchmark). Made at the first add(): a request whose text is deferred only ever calls add_all().
-        # NOTE: byte-level decoders only (GPT-2 style: SmolLM2, Llama 3, Qwen). Under a ByteFallback decoder
+        # add() through the Rust tokenizer's own DecodeStream: the same windows, one call per token instead of two
+        # decodes and their slicing. Made at the first add(): a request whose text is deferred calls only add_all().
+        # Byte-level decoders only (GPT-2 style: SmolLM2, Llama 3, Qwen). Under a ByteFallback decoder
         # (SentencePiece style: Llama 2) a byte run that is not UTF-8 turns bytes already shown into U+FFFD, and the
-        # stream raises "Invalid prefix" where the offsets go on (a review found it in 811 of 8000 random sequences
-        # of a Llama-2-style tokenizer).
+        # stream raises "Invalid prefix" where the offsets go on.
         self._stream: Any = None
         self._use_offsets = self._fast is None or DecodeStream is None or not isinstance(self._fast.decoder, ByteLevel)
 
@@ -55,7 +53,7 @@ class IncrementalDetokenizer:
                 try:
                     text = self._stream.step(self._fast, token_ids[0] if len(token_ids) == 1 else token_ids)
                 except Exception:
-                    # NOTE: not seen with a byte-level decoder; should it come, the offsets (kept in step below) take
+                    # Not seen with a byte-level decoder; should it come, the offsets (kept in step below) take
                     # over from this token on rather than the request failing.
                     self._stream, self._use_offsets = None, True
                 else:
@@ -72,8 +70,8 @@ class IncrementalDetokenizer:
 
     def _new_stream(self) -> Any:
         """A DecodeStream over the prompt context, or None (and the offsets from now on) where it would not give the
-        offsets' text: a context that decodes to a trailing U+FFFD (it ends inside a character) made the stream emit
-        the context's own text, in 16 of 6000 random sequences with the SmolLM2 tokenizer; none differed otherwise."""
+        offsets' text: after a context that decodes to a trailing U+FFFD (it ends inside a character), the stream can
+        emit the context's own text."""
         context = self.ids[self.prefix_offset : self.read_offset]
         if self._decode(context).endswith("\ufffd"):
             self._use_offsets = True

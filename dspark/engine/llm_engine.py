@@ -33,7 +33,7 @@ class LLMEngine:
         self._counter = 0
         self._num_prompt_tokens = 0
 
-    # What callers and tests inspect of the core, by the names they had on the engine.
+    # What callers and tests inspect of the core, reachable from the engine.
     @property
     def device(self) -> Any:
         return self.core.device

@@ -309,7 +309,7 @@ def rotary_qk(
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # Qwen3: (q_norm weight, k_norm weight, eps)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rotary of q and k (after their per-head RMSNorms, if `norm`) in one launch, IN PLACE: q and k are
-    overwritten and returned. NOTE: in place, so the rotated q and k stay where the merged GEMM put them, beside v,
+    overwritten and returned: in place, so the rotated q and k stay where the merged GEMM put them, beside v,
     with no allocation and no copy."""
     assert k.dtype == q.dtype, f"q {q.dtype}, k {k.dtype}"
     _launch_rotary(q, k, q, k, cos, sin, norm)

@@ -2,9 +2,8 @@
 
 cuBLAS picks its kernel (tile shape, split-K) from M, N and K, so a row's bits depend on how many rows share the
 GEMM: a token verified with 7 drafts, decoded alone, or decoded beside 255 others can get different logits, and in
-bf16 an argmax near a tie can flip. That breaks "greedy output with speculation equals output without it" (on the
-H200 in session 4, 1 of 16 greedy requests at C = 1 differed from no-spec) and "a request's output does not depend on
-its batch" (session 5: 4 of 16 requests run alone differed from their batched selves).
+bf16 an argmax near a tie can flip. That breaks "greedy output with speculation equals output without it" and "a
+request's output does not depend on its batch" (docs/numerics.md).
 
 Here every call runs one compiled kernel: fixed BLOCK_M x BLOCK_N output tiles, each program walking K in BLOCK_K steps
 from 0 in order, fp32 accumulation, no split-K. Row i's result is the same dot products in the same order whatever M

@@ -60,7 +60,7 @@ class Rotary(nn.Module):
 def _merge_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) stacking the output rows of `linears`, for one GEMM in place of several.
 
-    NOTE: the linears' parameters become views of the merged tensors, not copies: no memory is duplicated, and what
+    The linears' parameters become views of the merged tensors, not copies: no memory is duplicated, and what
     later writes the parameters in place (load_state_dict, an optimiser) writes the merged GEMM's weights too.
     Moving the module (.to) gives the parameters their own storage again; fuse after moving, not before.
     """

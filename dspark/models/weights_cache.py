@@ -1,9 +1,8 @@
 """A GGUF's config and dequantized weights, kept in the cache as JSON and safetensors after the first load.
 
-Parsing the default model's GGUF (its 49k-token vocabulary is read field by field) and dequantizing its weights took
-9.7 s of a 13.5 s engine start on the project's 2-vCPU machine (under cProfile), and every engine a sweep round or a
-test builds paid it again. Unprofiled there, load_model went from 7.4 s to 0.3 s with the cache, and load_config
-from 2.5 s to nothing. (On the H200 host a faulthandler dump 40 s into a script still found it parsing.)
+Parsing the default model's GGUF (its 49k-token vocabulary is read field by field) and dequantizing its weights are
+most of an engine's start, and every engine a sweep round or a test builds would pay them again; reading the cached
+safetensors takes a fraction of that.
 
 - Keyed by the file's resolved path, size and modification time, and FORMAT (not by its hash: hashing the file costs
   what the cache saves). A changed file gets a new entry.

@@ -79,8 +79,7 @@ def logits_to_probs(
     """[len(rows), vocab] fp32: the distribution each row samples from (the module's order), normalised."""
     n = len(rows)
     x = logits[:n].clone()
-    # NOTE: rows without banned tokens or penalties are not indexed at all: x[i] alone costs ~1 us of host time per
-    # row and step.
+    # Rows without banned tokens or penalties are not indexed at all: each x[i] is host time per row and step.
     for i in [i for i, r in enumerate(rows) if r.banned_token_ids or r.penalised]:
         r = rows[i]
         if r.banned_token_ids:
@@ -104,7 +103,7 @@ def logits_to_probs(
             if r.top_p < 1.0:
                 kept = sorted_p.masked_fill(~keep, 0.0)
                 mass_before = torch.cumsum(kept, 0) - kept
-                # NOTE: keep the smallest prefix whose mass reaches top_p (the top token always stays).
+                # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
                 keep &= mass_before < r.top_p * kept.sum()
             # NOTE: a scatter, not p[order[~keep]] = 0: boolean indexing waits for the device to count the mask.
             p.scatter_(0, order, sorted_p.masked_fill(~keep, 0.0))

@@ -124,7 +124,7 @@ def _key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
 async def _read_json(request: Request, limit: int) -> Any:
     length = request.headers.get("content-length")
     if length is not None:
-        # NOTE: isascii too: str.isdigit() holds for "²", which int() refuses.
+        # isascii too: str.isdigit() holds for "²", which int() refuses.
         if not (length.isascii() and length.isdigit()):
             raise APIError(400, f"Content-Length {length!r} is not a byte count", code="invalid_content_length")
         if int(length) > limit:

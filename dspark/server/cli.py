@@ -108,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ", ".join(names),
         " (API key required)" if api_key else "",
     )
-    # NOTE: a stream still running at shutdown gets 10 s to finish before uvicorn cancels it (its request is aborted).
+    # A stream still running at shutdown gets 10 s to finish before uvicorn cancels it (its request is aborted).
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10))
     try:
         server.run(sockets=[sock])

@@ -40,7 +40,7 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_t
 
 
 def _top(entry: dict[int, Logprob], num_top: int) -> list[Logprob]:
-    # NOTE: the sampled token keeps its own rank in the entry, so ranks <= num_top are exactly the top alternatives.
+    # The sampled token keeps its own rank in the entry, so ranks <= num_top are exactly the top alternatives.
     return sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank)[:num_top]
 
 

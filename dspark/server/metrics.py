@@ -1,4 +1,4 @@
-"""/metrics: Prometheus text under vLLM's names with the `dspark:` prefix (DESIGN.md section 7).
+"""/metrics: Prometheus text under vLLM's names with the `dspark:` prefix.
 
 Two sources. The engine's own counters and gauges (requests running and waiting, KV-cache usage, tokens, the
 spec-decode counters and the adaptive-verification metrics of speculative/planner.py) are read at scrape time from the

@@ -124,7 +124,7 @@ async def add(
 
 def usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usage:
     prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, however many samples it has (as OpenAI)
-    # NOTE: from the metrics, not the final outputs' token ids: a stream's final output ("delta") holds its last ones
+    # From the metrics, not the final outputs' token ids: a stream's final output ("delta") holds its last ones
     completion_tokens = sum(o.metrics.num_generation_tokens for o in finals.values())
     return Usage(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens

@@ -1,1 +1,1 @@
-"""Speculative decoding: drafters, lossless verification, confidence-scheduled budgets (issues 3 and 4)."""
+"""Speculative decoding: drafters, lossless verification, confidence-scheduled budgets (docs/scheduling.md)."""

@@ -62,7 +62,7 @@ class Trace:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read a JSONL trace: a header line, then one line per engine step (format in DESIGN.md / the engine's flag)."""
+    """Read a JSONL trace: a header line, then one line per engine step (the format is the module docstring's)."""
     path = Path(path)
     try:
         lines = (gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()).splitlines()

@@ -1,4 +1,4 @@
-"""The DSpark drafter's training losses (DESIGN.md section 6), per block of K drafts:
+"""The DSpark drafter's training losses (docs/drafter.md), per block of K drafts:
 
 - CE: cross-entropy of the draft distribution against the token the target actually produced there (weight 0.1);
 - L1: ||p_draft - p_target||_1 over the full vocabulary, fp32, temperature 1 (weight 0.9): the quantity that sets

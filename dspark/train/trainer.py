@@ -1,4 +1,4 @@
-"""One training step of the DSpark drafter, and its optimiser (DESIGN.md section 6).
+"""One training step of the DSpark drafter, and its optimiser (docs/drafter.md).
 
 Per batch of target-generated sequences: the frozen target runs once (its tapped layers feed the drafter, its logits
 at the block positions are what the drafter learns), anchors are sampled in each response, the blocks run packed

@@ -1,10 +1,9 @@
 """Row padding that keeps CPU matmuls batch-invariant.
 
 CPU BLAS (oneDNN / MKL in torch's CPU builds) picks kernels by the number of rows M, and some of them order a row's
-reduction differently. Measured with torch 2.13 on this project's machines (tests/utils/test_numerics.py checks it
-on every run): F.linear gives each row the same bits for M = 4, 8 and every M >= 12, but not for M in {1-3, 5-7,
-9-11}; batched matmul agrees for every M >= 4. Padding M up to a multiple of 4 is therefore enough, and costs at
-most three rows.
+reduction differently: F.linear gives each row the same bits for M = 4, 8 and every M >= 12, but not for M in {1-3,
+5-7, 9-11}; batched matmul agrees for every M >= 4 (tests/utils/test_numerics.py checks both on every run). Padding M
+up to a multiple of 4 is therefore enough, and costs at most three rows.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Start-up profiling of the step-cost curves adaptive verification plans with (DESIGN.md section 5).
+"""Start-up profiling of the step-cost curves adaptive verification plans with (docs/scheduling.md, on the cost model).
 
 Dummy steps run through the real runner: drafting for R requests (draft_ms), then a verify step of n tokens
 (verify_ms): ceil(n / (K + 1)) requests, each its last token plus up to K drafts, over a fixed synthetic context,
@@ -33,7 +33,7 @@ from dspark.worker.model_runner import ModelRunner
 
 CONTEXT_TOKENS = 128  # the synthetic context every dummy request has (the curves ignore context length for now)
 # Eager CPU steps are flat for a few tokens, then linear: a coarse grid (powers of 4) and 3 runs describe them, and
-# keep the one-off start-up cost to seconds (SmolLM2 fp32 on 2 cores: a 256-token step is ~0.9 s).
+# keep the one-off start-up cost to seconds, since a large CPU step is slow.
 CPU_MAX_TOKENS = 256
 CPU_MAX_REQUESTS = 64
 CPU_RUNS = 3

@@ -134,9 +134,8 @@ class Worker:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for the largest step's vocabulary-sized tensors: the captured logits and their graph's
-            # scratch, the sampler's processed copies and verification's fp64 CDF (about 8 fp32 copies per row; at 2
-            # copies, a verify step of 8192 tokens ran out of memory on an H200), the drafter's distributions
-            # (static and returned copies), and CUDA-graph pools.
+            # scratch, the sampler's processed copies and verification's fp64 CDF (about 8 fp32 copies per row), the
+            # drafter's distributions (static and returned copies), and CUDA-graph pools.
             vocab_row = self.model_config.vocab_size * 4
             drafts = config.max_num_seqs * self.num_spec_tokens
             reserve = 8 * config.max_num_batched_tokens * vocab_row + 2 * drafts * vocab_row + (2 << 30)

@@ -272,10 +272,11 @@ def test_informative_adaptive_beats_best_fixed_k(informative_results: dict[int, 
 
 
 def test_informative_adaptive_against_the_oracle(informative_results: dict[int, dict[str, dict]]) -> None:
-    """Where the issue's 'within 10% of the oracle' holds, and where it does not (measured, and kept as a floor so a
-    regression shows): the oracle verifies exactly the drafts that survive; calibrated but uncertain confidences cannot.
-    On this trace adaptive-async reaches 0.94-1.00 of the oracle at C <= 8 and 0.78-0.92 at C = 16..256, where
-    verification starts to cost (against 1.00-1.09x the best of no-spec and fixed k)."""
+    """Where the project's target, 'within 10% of the oracle', holds, and where it does not (measured on this
+    seeded trace, and kept as a floor so a regression shows): the oracle verifies exactly the drafts that survive;
+    calibrated but uncertain confidences cannot. On this trace adaptive-async reaches 0.94-1.00 of the oracle at
+    C <= 8 and 0.78-0.92 at C = 16..256, where verification starts to cost (against 1.00-1.09x the best of no-spec and
+    fixed k)."""
     ratios = {
         c: r["adaptive-async"]["tokens_per_s"] / r["oracle"]["tokens_per_s"] for c, r in informative_results.items()
     }

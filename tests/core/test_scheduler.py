@@ -48,7 +48,7 @@ class Harness(SchedulerHarness):
             assert rid not in ids
         for s in out.scheduled:
             req = s.request
-            samples = s.samples  # NOTE: read before num_computed_tokens moves, as the model runner does
+            samples = s.samples  # read before num_computed_tokens moves, as the model runner does
             req.num_computed_tokens += s.num_new_tokens
             assert req.num_computed_tokens <= req.num_tokens
             assert len(req.block_ids) * BS >= req.num_computed_tokens

@@ -1,4 +1,4 @@
-"""Property-based fuzz of the HTTP API (issue 8, "bad input"): hypothesis-made bodies for /v1/completions and
+"""Property-based fuzz of the HTTP API with bad input: hypothesis-made bodies for /v1/completions and
 /v1/chat/completions, each field either a plausible value or any JSON at all (wrong types, NaN and infinities, ints of
 hundreds of digits, empty and very long strings, lone surrogates, deep nesting, unknown fields), plus raw bodies that
 are not JSON objects at all. Properties: never a 5xx; every 4xx is OpenAI's error shape; every 400 names its parameter
@@ -248,7 +248,7 @@ def bodies(draw: st.DrawFn, fields: dict[str, st.SearchStrategy[Any]], required:
     wild = draw(st.lists(st.sampled_from([*fields, *UNKNOWN_KEYS]), max_size=3, unique=True))
     for key in wild:
         body[key] = draw(ANY_JSON | DEEP)
-    # NOTE: 13, not 0, which hypothesis draws far more often than one time in twenty.
+    # 13, not 0, which hypothesis draws far more often than one time in twenty.
     missing = draw(st.integers(0, 19)) == 13
     if missing:
         body.pop(required, None)

@@ -1,4 +1,4 @@
-"""Property-based fuzz of the settings a user types (issue 8, "bad input"): SamplingParams(**kwargs), EngineConfig's
+"""Property-based fuzz of the settings a user types, with bad input: SamplingParams(**kwargs), EngineConfig's
 fields, and the speculative config, as a dict and as the JSON text of `--speculative-config`. Each field gets either a
 plausible value or anything at all (wrong types, NaN and infinities, ints too long to print, bytes, containers,
 objects). Properties: every input constructs a config whose fields have the types they promise, or raises ConfigError
@@ -26,7 +26,7 @@ FUZZ = settings(
 )
 
 HUGE = 10**5000  # past Python's 4300-digit limit on int -> str: repr() of it raises ValueError
-# NOTE: mapped, not listed in sampled_from: hypothesis prints the lists it samples from, and cannot print HUGE.
+# Mapped, not listed in sampled_from: hypothesis prints the lists it samples from, and cannot print HUGE.
 HUGE_INTS = st.sampled_from([1, -1]).map(lambda sign: sign * HUGE)
 SPECIAL = st.sampled_from(
     [

@@ -59,7 +59,7 @@ def _load(url: str, settings: LoadSettings) -> dict[str, Any]:
 
 
 def test_rounds_of_load_with_disconnects_lose_nothing(tiny_model_dirs: dict[str, Path]) -> None:
-    # NOTE: the server runs in this process, so its RSS is this process's (the client's few MiB included).
+    # The server runs in this process, so its RSS is this process's (the client's few MiB included).
     settings = LoadSettings(
         concurrency=64, duration=4.0, rounds=3, disconnect_fraction=0.2, max_tokens=MAX_TOKENS, server_pid=os.getpid()
     )

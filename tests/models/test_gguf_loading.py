@@ -36,7 +36,7 @@ FAMILIES = {
         {"attention_bias": True},
     ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, gguf.MODEL_ARCH.QWEN2, {}),
-    # NOTE: head_dim != hidden / heads, as in real Qwen3 models, so the GGUF needs attention.key_length.
+    # head_dim != hidden / heads, as in real Qwen3 models, so the GGUF needs attention.key_length.
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, gguf.MODEL_ARCH.QWEN3, {"head_dim": 32}),
 }
 

@@ -1,4 +1,4 @@
-"""The drafter's training losses and block sampling (issue 5 groundwork), on small tensors with known answers."""
+"""The drafter's training losses and block sampling, on small tensors with known answers."""
 
 from __future__ import annotations
 

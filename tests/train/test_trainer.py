@@ -49,5 +49,5 @@ def test_a_few_steps_raise_the_acceptance_estimate(tmp_path: Path) -> None:
         optimiser_step(model, optimizer, scheduler, losses.total)
     last = last[-len(data) :]
     mean = lambda xs, i: sum(x[i] for x in xs) / len(xs)  # noqa: E731
-    assert mean(last, 0) < 0.6 * mean(first, 0), (first, last)  # measured: 2.26 -> 1.21
-    assert mean(last, 1) > mean(first, 1) + 0.15, (first, last)  # measured: 0.67 -> 0.89
+    assert mean(last, 0) < 0.6 * mean(first, 0), (first, last)  # with a margin to what a seeded run reaches
+    assert mean(last, 1) > mean(first, 1) + 0.15, (first, last)  # likewise

@@ -1,4 +1,4 @@
-"""CUDA graphs of the model runner (skipped without a GPU; run on the H200 with `pytest -m gpu`): the captured
+"""CUDA graphs of the model runner (skipped without a GPU; run with `pytest -m gpu`): the captured
 decode, verification and drafting passes give the eager passes' tokens, and the drafter's context the eager steps
 write."""
 

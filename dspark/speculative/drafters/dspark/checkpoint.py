@@ -77,7 +77,7 @@ def load_drafter(path: str | Path, target: ModelConfig, dtype: torch.dtype, devi
     )
     cfg.check_target(target, str(path))
 
-    # NOTE: built on the meta device, the model allocates nothing until every tensor has been checked against it: a
+    # Built on the meta device, the model allocates nothing until every tensor has been checked against it: a
     # config that implies sizes far beyond the file's fails on a shape, not in the allocator.
     with torch.device("meta"):
         model = DSparkModel(cfg)

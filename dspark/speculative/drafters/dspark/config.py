@@ -33,7 +33,7 @@ OWN_KEYS = (
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
-    """Evenly spaced from layer 1 to layer L-3 (DESIGN.md section 6): early, middle and late features."""
+    """Evenly spaced from layer 1 to layer L-3 (docs/drafter.md): early, middle and late features."""
     first, last = 1, max(1, num_target_layers - 3)
     if num_taps == 1:
         return (min((first + last) // 2, num_target_layers - 1),)

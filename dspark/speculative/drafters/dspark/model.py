@@ -43,7 +43,7 @@ class DSparkModel(nn.Module):
     def fuse_context_weights(self) -> None:
         """One GEMM for every draft layer's context keys and values (the CUDA path of write_context).
 
-        NOTE: the context write runs in every target step of an engine with this drafter, drafting or not, and at a
+        The context write runs in every target step of an engine with this drafter, drafting or not, and at a
         batch of one its cost is its kernel count: 5 per layer unfused (k_proj, k_norm, RoPE, v_proj, the write), 2
         per layer with this (norm and RoPE in one kernel, the write) plus the one GEMM. A copy, not views: the
         layers' own q/k/v merge (fuse_weights) keeps its parameters, and nothing trains an inference engine's
