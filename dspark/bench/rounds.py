@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from dspark.config import SamplingParams
@@ -47,6 +48,8 @@ class Round:
     # order: [step in the row, requests running before it, kind, wall ms], the first SPEC_STEPS_KEPT: when and at what
     # load a row drafted
     spec_steps: list[list[Any]] = field(default_factory=list)
+    # CUDA: the device ms of each step launched in the row (worker's device_steps)
+    device_ms: list[float] = field(default_factory=list)
 
     @property
     def output_throughput(self) -> float:
@@ -74,6 +77,10 @@ def run_row(
 
     step_ms: dict[str, list[float]] = {}
     spec_steps: list[list[Any]] = []
+    runner = engine.runner
+    timed = runner.device.type == "cuda"
+    if timed:
+        runner.device_steps = []
     start = time.perf_counter()
     while len(ids) < min(concurrency, len(prompt_ids)):
         submit()
@@ -98,6 +105,11 @@ def run_row(
         max_in_flight = max(max_in_flight, engine.num_unfinished_requests)
     elapsed = time.perf_counter() - start
     bar.close()
+    device_ms: list[float] = []
+    if timed:
+        torch.cuda.synchronize(runner.device)
+        device_ms = runner.take_device_ms()
+        runner.device_steps = None
     after = _counters(engine)
     outs = [final[i] for i in ids]
     ttft, tpot, e2el = [], [], []
@@ -122,6 +134,7 @@ def run_row(
         _steps_delta(steps_before, _regime_steps(engine)),
         step_ms,
         spec_steps,
+        device_ms,
     )
     return round_, token_ids
 

@@ -376,6 +376,10 @@ def _check_fits(prompt_ids: list[list[int]], output_len: int, max_model_len: int
         )
 
 
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
+
+
 def _ms(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, "median": None, "p99": None}
@@ -407,6 +411,10 @@ def _row(arm: Arm, concurrency: int, temperature: float, rounds: list[Round]) ->
         "total_output_tokens": r.num_output_tokens,
         "request_throughput": completed / r.elapsed_s,
         "total_token_throughput": (r.num_input_tokens + r.num_output_tokens) / r.elapsed_s,
+        # a decode step's wall ms (engine.step(), prefill steps left out) and device ms (CUDA: its launch's events),
+        # medians over the median round
+        "step_wall_ms": _median([ms for kind, v in r.step_ms.items() if kind != "prefill" for ms in v]),
+        "step_device_ms": _median(r.device_ms),
     }
     for name, values in (("ttft", r.ttft_s), ("tpot", r.tpot_s), ("e2el", r.e2el_s)):
         row.update({f"{stat}_{name}_ms": v for stat, v in _ms(values).items()})

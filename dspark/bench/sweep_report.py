@@ -42,6 +42,41 @@ def paired_adaptive_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
     return statistics.median(a / max(o[i] for o in others) for i, a in enumerate(mine))
 
 
+def paired_ratio(arms: dict[str, dict[str, Any]], a: str, b: str) -> float | None:
+    """The median over rounds of arm a's throughput over arm b's in the same round; None without both or rounds."""
+    if a not in arms or b not in arms:
+        return None
+    xs, ys = arms[a]["rounds_output_throughput"], arms[b]["rounds_output_throughput"]
+    if not xs or len(xs) != len(ys):
+        return None
+    return statistics.median(x / y for x, y in zip(xs, ys, strict=True))
+
+
+def adaptive_over_no_spec(arms: dict[str, dict[str, Any]]) -> float | None:
+    return paired_ratio(arms, "adaptive", "no-spec")
+
+
+def adaptive_over_fixed(arms: dict[str, dict[str, Any]]) -> float | None:
+    """Adaptive against its worst match among the fixed-k arms: the smallest paired ratio."""
+    ratios = [
+        r for name in arms if name.startswith("fixed-") and (r := paired_ratio(arms, "adaptive", name)) is not None
+    ]
+    return min(ratios) if ratios else None
+
+
+def step_ms(arm: str):
+    """A column: the arm's decode step, median wall ms / device ms."""
+
+    def cell(arms: dict[str, dict[str, Any]]) -> str | None:
+        row = arms.get(arm)
+        if row is None or row.get("step_wall_ms") is None:
+            return None
+        device = row.get("step_device_ms")
+        return f"{row['step_wall_ms']:.2f} / {device:.2f}" if device is not None else f"{row['step_wall_ms']:.2f} / -"
+
+    return cell
+
+
 def hf_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
     """No-spec's output throughput over transformers' (the project's target: >= 20x at C = 256); None without both."""
     if "no-spec" not in arms or HF not in arms:
@@ -57,15 +92,20 @@ def markdown_table(result: dict[str, Any]) -> str:
         for head, fn in (
             ("adaptive / max(no-spec, best fixed)", adaptive_ratio),
             ("paired by round (median)", paired_adaptive_ratio),
+            ("adaptive / no-spec, paired", adaptive_over_no_spec),
+            ("adaptive / worst-matched fixed, paired", adaptive_over_fixed),
             ("no-spec / hf", hf_ratio),
         )
         if any(fn(a) is not None for a in table.values())
     ]
-    head = ["T", "C", *(f"{a} tok/s" for a in arms), *(h for h, _ in ratios)]
+    steps = [(f"{a} step wall / device ms", step_ms(a)) for a in ("no-spec", "fixed-7") if a in arms]
+    steps = [(h, fn) for h, fn in steps if any(fn(a) is not None for a in table.values())]
+    head = ["T", "C", *(f"{a} tok/s" for a in arms), *(h for h, _ in ratios), *(h for h, _ in steps)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for (t, c), by_arm in table.items():
         cells = [f"{t:g}", str(c), *(f"{by_arm[a]['output_throughput']:.1f}" if a in by_arm else "-" for a in arms)]
         cells += ["-" if (ratio := fn(by_arm)) is None else f"{ratio:.2f}x" for _, fn in ratios]
+        cells += [fn(by_arm) or "-" for _, fn in steps]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

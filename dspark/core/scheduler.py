@@ -43,6 +43,10 @@ class SchedulerOutput:
     # Async scheduling: every request continues from the step launched before this one, feeding one token (built by
     # the engine's _continuation, whose checks of that step's requests then hold for this one's, a subset of them).
     continued: bool = False
+    # A pipelined speculative step (continued): (drafts to verify in all, whether to draft the next block). Its tokens,
+    # positions and drafts live on the device (worker/spec_pipeline.py).
+    pipelined: tuple[int, bool] | None = None
+    pipelined_ok: bool = False  # its requests passed the pipeline's checks (they hold for its continuations)
 
     @property
     def num_tokens(self) -> int:

@@ -33,6 +33,7 @@ from dspark.speculative.step_timer import StepTimer
 from dspark.speculative.trace import TraceWriter
 from dspark.worker.model_runner import Launched, RunnerOutput
 from dspark.worker.profiler import load_or_profile
+from dspark.worker.spec_pipeline import SpecResult
 from dspark.worker.worker import Worker
 
 logger = logging.getLogger("dspark")
@@ -93,8 +94,10 @@ class EngineCore:
         )
         self._inflight: Launched | None = None  # async scheduling: a step launched and not collected yet
         self._ending_ms = 0.0  # the last step's host time spent ending requests (see _finish)
-        # The last step, until end_step() times it: (continued, requests served, tokens emitted, drafted, wait ms)
-        self._ended: tuple[bool, int, int, bool, float] | None = None
+        # The last step, until end_step() times it: (continued, requests served, tokens emitted, drafted, wait ms,
+        # drafts verified by a pipelined step)
+        self._ended: tuple[bool, int, int, bool, float, int] | None = None
+        self._pipelined_ids: list[str] = []  # the requests of the last pipelined step (their drafts are on the device)
         self.stats = {
             "num_generation_tokens": 0,
             "num_steps": 0,
@@ -229,12 +232,12 @@ class EngineCore:
         ended, self._ended = self._ended, None
         if ended is None or self.timer is None:
             return
-        continued, num_live, num_emitted, drafted, wait_ms = ended
+        continued, num_live, num_emitted, drafted, wait_ms, num_verified = ended
         ending_ms = self._ending_ms + front_ending_ms
         chained = self._inflight is not None
         if continued:
             self.timer.continued_step_finished(
-                num_live, num_emitted, chained, drafted, ending_ms=ending_ms, wait_ms=wait_ms
+                num_live, num_emitted, chained, drafted, ending_ms=ending_ms, wait_ms=wait_ms, num_verified=num_verified
             )
         else:
             self.timer.step_finished(drafted, num_emitted, chain_starts=chained, ending_ms=ending_ms, wait_ms=wait_ms)
@@ -261,7 +264,10 @@ class EngineCore:
             draft_choice = False
             if self.timer is not None and not continued:
                 self.timer.skip_timing()  # its measured time would include the next step's launch
-            self._inflight = self.runner.launch(nxt, previous=launched)
+            if nxt.pipelined is not None:
+                self._inflight = self.runner.launch_pipelined(nxt, launched, *nxt.pipelined)
+            else:
+                self._inflight = self.runner.launch(nxt, previous=launched)
         waited = time.perf_counter()
         result = self.runner.collect(launched)
         wait_ms = (time.perf_counter() - waited) * 1e3  # the timing of the next continued step needs it
@@ -269,10 +275,15 @@ class EngineCore:
         self.stats["num_pipelined_steps"] += continued
         records = self._record_verification(sched, result) if verified and self.planner is not None else []
         self._ending_ms = 0.0
-        may_draft = self.spec is not None and draft_choice is not False
+        # A pipelined step drafted on the device already (launched.spec.drafted).
+        may_draft = self.spec is not None and draft_choice is not False and launched.spec is None
         drafting: list[Request] | None = [] if may_draft else None
         outputs: list[EngineCoreOutput] = []
-        if result.tokens is not None:
+        num_verified = 0
+        if result.spec is not None:
+            num_live, num_emitted, num_verified, records = self._update_pipelined(sched, result.spec, outputs)
+            verified = num_verified > 0
+        elif result.tokens is not None:
             num_live = self._update_continued(sched.scheduled, result.tokens, outputs, drafting)
             num_emitted = num_live
         else:
@@ -281,12 +292,14 @@ class EngineCore:
             draft_choice = bool(drafting) and (
                 self.planner is None or self.planner.should_draft([r.request_id for r in drafting or ()])
             )
-        drafted = draft_choice and bool(drafting)
+        drafted = draft_choice and bool(drafting) and not self._pipeline_takes_over(drafting)
         if drafted:
             assert drafting is not None
             self._draft(drafting)
+        if launched.spec is not None:
+            drafted = launched.spec.drafted
         self.last_step_kind = step_kind(has_chunk, verified, drafted)
-        self._ended = (continued, num_live, num_emitted, drafted, wait_ms)
+        self._ended = (continued, num_live, num_emitted, drafted, wait_ms, num_verified)
         if self.trace is not None and records:
             self.trace.step(
                 self.stats["num_steps"], sched.num_tokens - sum(r["num_verified"] for r in records), records
@@ -306,6 +319,10 @@ class EngineCore:
 
     def _launch_fresh(self) -> Launched | None:
         """Schedule, plan and launch a step that continues nothing; None when there is nothing to run."""
+        if self._pipelined_ids and self.planner is not None:  # a pipeline ended: its last drafts are not verified
+            for rid in self._pipelined_ids:
+                self.planner.drop_drafts(rid)
+        self._pipelined_ids = []
         sched = self.scheduler.schedule()
         for rid in sched.preempted:  # their drafts were dropped; so go the distributions they were drawn from
             self.runner.release(rid, finished=False)
@@ -414,6 +431,42 @@ class EngineCore:
             self._quiet_done(quiet, done)
         return num_live
 
+    def _update_pipelined(
+        self, sched: SchedulerOutput, result: SpecResult, outputs: list[EngineCoreOutput]
+    ) -> tuple[int, int, int, list[dict[str, object]]]:
+        """A pipelined step's results, one row per request in the step's order: the drafts it verified and accepted,
+        then its emitted tokens appended (a request ended since has its row voided). Returns the requests it served,
+        the tokens they emitted, the drafts verified and the planner's trace records."""
+        reqs = [s.request for s in sched.scheduled]
+        live = [i for i, r in enumerate(reqs) if not r.status.finished]
+        num_emitted = result.num_emitted
+        num_verified = result.num_verified
+        records: list[dict[str, object]] = []
+        if self.planner is not None:  # before finished requests are released
+            verified = [i for i in live if num_verified[i]]
+            outcomes = [(reqs[i].request_id, int(num_verified[i]), int(num_emitted[i]) - 1) for i in verified]
+            records = self.planner.record(outcomes, trace=self.trace is not None)
+            self.planner.count_verified(num_verified[live])
+        now = time.monotonic()
+        tokens = result.tokens.tolist()
+        total = 0
+        for i in live:
+            req = reqs[i]
+            n = int(num_emitted[i])
+            ell = int(num_verified[i])
+            if ell:
+                self._count_spec(req, ell, n - 1)
+            req.num_computed_tokens += n  # its last token and the accepted drafts
+            total += n
+            out = self._append(req, tokens[i][:n], None, now)
+            if out is not None:
+                outputs.append(out)
+        going_on = [i for i in live if not reqs[i].status.finished]
+        self._pipelined_ids = [reqs[i].request_id for i in going_on]
+        if self.planner is not None and result.survivals is not None:
+            self.planner.observe_host(self._pipelined_ids, result.survivals[going_on])
+        return len(live), total, int(num_verified[live].sum()), records
+
     def _quiet_done(self, quiet: list[Request], done: int) -> int:
         """Count quiet[done:]'s tokens (one each) and register the blocks they filled; returns len(quiet)."""
         if len(quiet) > done:
@@ -513,19 +566,19 @@ class EngineCore:
         # A waiting request that could be admitted now goes first; one that could not (every seat taken) does not
         # stop the overlap: a saturated server always has a queue.
         admissible = self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.max_num_seqs
-        if not self.async_scheduling or launched.tokens is None or admissible or sched.preempted:
+        pipelined = launched.spec is not None
+        if not self.async_scheduling or (launched.tokens is None and not pipelined) or admissible or sched.preempted:
             return None
         active = [s.request for s in sched.scheduled if not s.request.status.finished]
         # A continued step's requests passed these checks when it was built, and nothing in them changes (a request's
         # sampling parameters are fixed): not asked again, request by request, every step.
         if len(active) != len(self.scheduler.running) or (
             not sched.continued
-            and not all(
-                s.samples and s.num_new_tokens == 1 and not _reads_tokens(s.request.sampling_params)
-                for s in sched.scheduled
-            )
+            and not all(s.samples and not _reads_tokens(s.request.sampling_params) for s in sched.scheduled)
         ):
             return None
+        # A plain continuation feeds one token where launched fed one (a pipeline may start after a prompt's end).
+        single = sched.continued or all(s.num_new_tokens == 1 for s in sched.scheduled)
         # launched's token is not appended yet: a request continues if it may emit at least one more after it.
         going_on = [r for r in active if len(r.all_token_ids) + 1 < r.end_at]
         if not going_on:
@@ -533,7 +586,10 @@ class EngineCore:
         if self.spec is not None:
             drafting = [r.request_id for r in going_on if r.sampling_params.max_speculative_tokens != 0]
             if drafting and (self.planner is None or self.planner.should_draft(drafting)):
-                return True
+                nxt = self._pipelined(sched, going_on)
+                return True if nxt is None else nxt
+        if pipelined or not single:  # positions the host does not know yet: launched once this step is collected
+            return None
         # The KV of launched's token and of this one's, and the drafter's lookahead past them: the regime may choose
         # to draft after this step.
         lookahead = self.scheduler.num_lookahead_tokens
@@ -544,6 +600,47 @@ class EngineCore:
             # alike (one token, no drafts, continues, samples) and nothing changes them, so they serve again.
             return SchedulerOutput(sched.scheduled, continued=True)
         return SchedulerOutput([ScheduledRequest(r, 1, continues=True) for r in going_on], continued=True)
+
+    def _pipeline_takes_over(self, drafting: list[Request] | None) -> bool:
+        """Whether these requests' drafts are better left to a pipelined step: the next step, launched alone, feeds
+        their last tokens without drafts, and the step after it starts a pipeline (drafting on the host now would make
+        that step a verification, which no step can continue on the device)."""
+        pipeline, planner = self.runner.pipeline, self.planner
+        if not drafting or pipeline is None or planner is None or planner.mode == "sync" or not self.async_scheduling:
+            return False
+        return len(drafting) <= pipeline.max_rows and all(
+            r.sampling_path != "general" and not _reads_tokens(r.sampling_params) for r in drafting
+        )
+
+    def _pipelined(self, sched: SchedulerOutput, going_on: list[Request]) -> SchedulerOutput | None:
+        """The pipelined speculative step (worker/spec_pipeline.py) that continues `sched` and drafts, or None where
+        the requests need the host's drafting: no device pipeline, synchronous verification (it reads live survivals
+        on the host), a request sampling with more than a temperature, one too near max_model_len for two more steps
+        and a block, or a KV cache too full for them."""
+        pipeline, planner = self.runner.pipeline, self.planner
+        if pipeline is None or planner is None or planner.mode == "sync" or len(going_on) > pipeline.max_rows:
+            return None
+        k, block = self.num_spec_tokens, self.scheduler.num_lookahead_tokens
+        # The tokens the step in flight may add (up to k + 1), this step's (up to k + 1) and the next block's slots.
+        span = 2 * (k + 1) + block
+        if not sched.pipelined_ok and any(r.sampling_path == "general" for r in going_on):
+            return None
+        if max(len(r.all_token_ids) for r in going_on) + span > self.max_model_len:
+            return None
+        if sched.continued:
+            if not self.kv.allocate_decode(going_on, 2 * (k + 1), lookahead=block):
+                return None
+        else:  # the step in flight computes its tokens (a prompt's last chunk, say) before this one's
+            fed = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
+            if not all(self.kv.allocate(r, fed[r.request_id] + k + 1, lookahead=block) for r in going_on):
+                return None
+        caps = [k if (c := r.sampling_params.max_speculative_tokens) is None else min(k, c) for r in going_on]
+        budget = planner.pipelined_budget([r.request_id for r in going_on], caps) if sched.pipelined else 0
+        budget = min(budget, self.scheduler.max_num_batched_tokens - len(going_on))  # the step's token budget
+        if sched.continued and len(going_on) == len(sched.scheduled):
+            return SchedulerOutput(sched.scheduled, continued=True, pipelined=(budget, True), pipelined_ok=True)
+        entries = [ScheduledRequest(r, 1, continues=True) for r in going_on]
+        return SchedulerOutput(entries, continued=True, pipelined=(budget, True), pipelined_ok=True)
 
     def _draft(self, requests: list[Request]) -> None:
         """Propose the drafts each request verifies next step, cut to what it could still emit."""

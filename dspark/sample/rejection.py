@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dspark.sample.ops import softmax_temperatures, temperature_probs
-from dspark.sample.random import ACCEPT_STREAM, RESIDUAL_STREAM, draw, inverse_cdf, uniform, uniforms
+from dspark.sample.random import ACCEPT_STREAM, RESIDUAL_STREAM, draw, inverse_cdf, uniform, uniforms, uniforms_t
 from dspark.utils.transfer import download, upload, upload_tensor
 
 METHODS = ("probabilistic", "strict")
@@ -152,13 +152,11 @@ def verify_plain(
     method: str = "probabilistic",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verify() for requests whose sampling is a temperature alone or greedy (no top-k/p, min-p, penalties, banned
-    tokens): the same tokens as verify(logits_to_probs(logits, rows), ...), decided on the device in batched
-    kernels. Returns (drafts accepted [R], the corrected or bonus token [R]), int64 on logits' device, not waited for:
-    request r emits draft_tokens[:accepted] and then that token.
+    tokens): the same tokens as verify(logits_to_probs(logits, rows), ...), decided on the device in batched kernels
+    (verify_on_device). Returns (drafts accepted [R], the corrected or bonus token [R]), int64 on logits' device, not
+    waited for: request r emits draft_tokens[:accepted] and then that token.
 
-    NOTE: verify() decides row by row on the host: a SamplingRow per verified position, a Python loop over every
-    draft with two scalar uniforms each, and a second device round trip for the residual draws. At C = 256 and
-    k = 7 that is ~2000 positions a step. Here the host only lays out index arrays (numpy) and uniforms; every
+    verify() decides row by row on the host; here the host only lays out index arrays (numpy) in one upload, and every
     decision reads the same values (the softmax of the same rows, the same fp64 products and draws) as verify(), so
     the tokens are the same bits: each draw scans its own row, whatever other rows are drawn beside it."""
     if method not in METHODS:
@@ -181,82 +179,103 @@ def verify_plain(
     d_start = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
     j = np.arange(k, dtype=np.int64)
     valid = j[None, :] < lens[:, None]  # [R, k]: the verified positions
-    # Padding positions point at a real row (the bonus row; the last draft row) and are masked by `valid`.
-    t_index = t_start[:, None] + np.minimum(j[None, :], lens[:, None])
+    # Padding positions point at a real row (the last draft row) and are masked by the drafts' count.
     d_index = np.minimum(
         d_start[:, None] + np.minimum(j[None, :], np.maximum(lens - 1, 0)[:, None]), max(num_drafts - 1, 0)
     )
     drafts = np.zeros((num_reqs, k), dtype=np.int64)
     if num_drafts:
         drafts[valid] = np.concatenate([r.draft_tokens for r in rows if r.draft_tokens])
-    seeds = np.array([r.seed for r in rows], dtype=np.int64)
-    firsts = np.array([r.first_counter for r in rows], dtype=np.int64)
-    bonus = t_start + lens
-    sampled = ~greedy
-    # The rows a plain draw is read at: every row of a sampled request under strict verification, only its bonus row
-    # under probabilistic (greedy requests read the argmax).
-    if not sampled.any():
-        need = np.zeros(0, dtype=np.int64)
-    elif method == "strict":
-        need = np.concatenate([np.arange(t_start[r], bonus[r] + 1) for r in np.flatnonzero(sampled)])
-    else:
-        need = bonus[sampled]
-    req_of = np.repeat(np.arange(num_reqs), lens + 1)[need]
-    residual_reqs = np.flatnonzero(sampled & (lens > 0)) if method == "probabilistic" else np.zeros(0, np.int64)
-    # NOTE: everything the device needs in two copies (one int64, one fp64), sliced there, not a dozen uploads (each its
-    # own pinned staging copy and transfer, a fixed host cost that matters most at C = 1).
-    ints = _Packed([t_index, drafts, valid, d_index, lens, bonus, sampled, need, residual_reqs], np.int64)
-    floats = [
-        np.repeat(softmax_temperatures(temperatures), lens + 1),
-        uniforms(seeds[req_of], firsts[req_of] + (need - t_start[req_of])),
-    ]
-    if residual_reqs.size:
-        floats.append(uniforms(np.repeat(seeds, k), (firsts[:, None] + j).reshape(-1), ACCEPT_STREAM))
-        counters = (firsts[residual_reqs, None] + j).reshape(-1)
-        floats.append(uniforms(np.repeat(seeds[residual_reqs], k), counters, RESIDUAL_STREAM))
-    fl = _Packed(floats, np.float64)
+    owner = np.repeat(np.arange(num_reqs), lens + 1)
+    offset = np.arange(n) - t_start[owner]
+    seeds = [r.seed for r in rows]
+    firsts = [r.first_counter for r in rows]
+    # Everything the device needs in two copies (one int64, one fp32), sliced there, not a dozen uploads (each its own
+    # pinned staging copy and transfer: a fixed host cost that matters most at C = 1).
+    ints = _Packed([t_start, lens, drafts, greedy, seeds, firsts, d_index, owner, offset], np.int64)
     dev = logits.device
-    ints_dev, fl_dev = ints.upload(dev), fl.upload(dev)
-    t_dev, x, valid_dev, d_dev, lens_dev, bonus_dev, sampled_dev, need_dev, residual_dev = (
+    ints_dev = ints.upload(dev)
+    row_start, num, x, greedy_dev, seeds_dev, firsts_dev, d_dev, owner_dev, offset_dev = (
         ints.part(ints_dev, i) for i in range(9)
     )
-    t_dev, x, valid_dev, d_dev = (t.view(num_reqs, k) for t in (t_dev, x, valid_dev, d_dev))
+    sampled = not greedy.all()
+    temps = upload(softmax_temperatures(temperatures), torch.float32, dev) if sampled else None
+    return verify_on_device(
+        logits[:n],
+        row_start,
+        num,
+        x.view(num_reqs, k),
+        greedy_dev != 0,
+        temps,
+        seeds_dev,
+        firsts_dev,
+        draft_probs if method == "probabilistic" else None,
+        d_dev.view(num_reqs, k),
+        owner_dev,
+        offset_dev,
+        method,
+    )
 
-    tops = logits[:n].argmax(dim=-1)
-    plain = tops
-    probs = None
-    if sampled.any():
-        # logits_to_probs's distribution for these rows (greedy rows' is not read: they read the argmax)
-        probs = temperature_probs(logits[:n], fl.part(fl_dev, 0).float())
-        plain = tops.clone()
-        plain[need_dev] = draw(probs[need_dev], fl.part(fl_dev, 1))
-    choice = plain[t_dev]  # [R, k]: what greedy and strict verification compare each draft with, and emit instead
-    accept = choice == x
-    if residual_reqs.size:
-        assert draft_probs is not None and probs is not None
-        # NOTE: u * q < p in fp64, as verify() compares Python floats (exact when q(x) = 0).
-        p_x = probs[t_dev, x].double()
-        q_x = draft_probs[d_dev, x].double()
-        by_ratio = fl.part(fl_dev, 2).view(num_reqs, k) * q_x < p_x
-        accept = torch.where(sampled_dev[:, None] != 0, by_ratio, accept)
-    accept &= valid_dev != 0
-    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # the leading run of acceptances
+
+def verify_on_device(
+    logits: torch.Tensor,  # [T, vocab] fp32 raw logits of the step (rows past the requests' are padding)
+    row_start: torch.Tensor,  # [R] int64: request r's first row (its draft rows, then its bonus row, back to back)
+    num_drafts: torch.Tensor,  # [R] int64: drafts request r verifies, 0..k
+    drafts: torch.Tensor,  # [R, k] int64 (positions past num_drafts are not read)
+    greedy: torch.Tensor,  # [R] bool
+    temperatures: torch.Tensor | None,  # [R] fp32 softmax_temperatures(); None: every request is greedy
+    seeds: torch.Tensor,  # [R] int64
+    first_counters: torch.Tensor,  # [R] int64: the output index of request r's first draft
+    draft_probs: torch.Tensor | None,  # [N, vocab]: what each draft was drawn from (probabilistic, sampled requests)
+    draft_index: torch.Tensor,  # [R, k] int64: the row of draft_probs of request r's draft j
+    row_owner: torch.Tensor,  # [T] int64: the request each logits row belongs to (padding rows: any request)
+    row_offset: torch.Tensor,  # [T] int64: the row's index among its request's rows
+    method: str = "probabilistic",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verification decisions on device inputs only: (drafts accepted [R], the corrected or bonus token [R]),
+    int64 on logits' device. Shapes are fixed by the inputs' and no value is read on the host, so a CUDA graph can
+    capture it (the pipelined speculative step builds these inputs on the device as well)."""
+    k = drafts.shape[1]
+    j = torch.arange(k + 1, device=logits.device)
+    # [R, k + 1]: the row of each position, draft j for j < num_drafts and the bonus row from num_drafts on
+    t_index = row_start[:, None] + torch.minimum(j[None, :], num_drafts[:, None])
+    valid = j[None, :k] < num_drafts[:, None]
+    tops = logits.argmax(dim=-1)
+    choice = tops[t_index]  # what greedy verification compares each draft with, and emits instead
+    if temperatures is None:
+        accept = (choice[:, :k] == drafts) & valid
+        num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
+        return num_accepted, choice.gather(1, num_accepted[:, None]).squeeze(1)
+    probs = temperature_probs(logits, temperatures[row_owner])  # logits_to_probs's distribution of every row
+    if method == "strict":
+        # every row's plain draw (the token plain sampling would draw there): what a sampled draft must equal
+        u = uniforms_t(seeds[row_owner], first_counters[row_owner] + row_offset)
+        choice = torch.where(greedy[row_owner], tops, draw(probs, u))[t_index]
+        accept = (choice[:, :k] == drafts) & valid
+        num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
+        return num_accepted, choice.gather(1, num_accepted[:, None]).squeeze(1)
+    assert draft_probs is not None, "probabilistic verification of sampled rows needs the draft distributions"
+    if draft_probs.shape[0] == 0:  # no drafts at all: every index points at a zero row, and nothing reads it
+        draft_probs = draft_probs.new_zeros(1, logits.shape[1])
+    jk = j[:k]
+    # NOTE: u * q < p in fp64, as verify() compares Python floats (exact when q(x) = 0).
+    p_x = probs[t_index[:, :k], drafts].double()
+    q_x = draft_probs[draft_index, drafts].double()
+    u_accept = uniforms_t(seeds[:, None], first_counters[:, None] + jk[None, :], ACCEPT_STREAM)
+    accept = torch.where(greedy[:, None], choice[:, :k] == drafts, u_accept * q_x < p_x) & valid
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
     at = num_accepted.clamp(max=k - 1)[:, None]
-    corrected = choice.gather(1, at).squeeze(1)
-    if residual_reqs.size:
-        assert draft_probs is not None and probs is not None
-        # The rejections' corrections, a sample of normalise(max(p - q, 0)) at the first rejected position, drawn for
-        # every sampled request that verified drafts (those that accepted all of them do not read theirs).
-        at_sub = at[residual_dev]
-        t_rej = t_dev[residual_dev].gather(1, at_sub).squeeze(1)
-        d_rej = d_dev[residual_dev].gather(1, at_sub).squeeze(1)
-        p_rej = probs[t_rej].double()
-        residual = (p_rej - draft_probs[d_rej].double()).clamp_(min=0.0)
-        residual = torch.where(residual.sum(dim=-1, keepdim=True) <= 0.0, p_rej, residual)
-        u_rej = fl.part(fl_dev, 3).view(-1, k).gather(1, at_sub).squeeze(1)
-        corrected[residual_dev] = draw(residual, u_rej)
-    last = torch.where(num_accepted == lens_dev, plain[bonus_dev], corrected)
-    return num_accepted, last
+    # Both ways a request can end its emitted run, computed for every request (fixed shapes): the bonus row's plain
+    # draw (read where every draft was accepted), and the first rejection's correction, a sample of
+    # normalise(max(p - q, 0)) (read where a draft was rejected).
+    bonus_row = row_start + num_drafts
+    bonus = torch.where(greedy, tops[bonus_row], draw(probs[bonus_row], uniforms_t(seeds, first_counters + num_drafts)))
+    p_rej = probs[t_index.gather(1, at).squeeze(1)].double()
+    residual = (p_rej - draft_probs[draft_index.gather(1, at).squeeze(1)].double()).clamp_(min=0.0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) <= 0.0, p_rej, residual)
+    u_residual = uniforms_t(seeds, first_counters + at.squeeze(1), RESIDUAL_STREAM)
+    corrected = torch.where(greedy, choice.gather(1, at).squeeze(1), draw(residual, u_residual))
+    return num_accepted, torch.where(num_accepted == num_drafts, bonus, corrected)
 
 
 class _Packed:

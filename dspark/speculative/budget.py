@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -140,25 +142,44 @@ def choose_budget_sync(
     return allocate(survival, budget, caps)
 
 
+@dataclass
+class FlatLayout:
+    """A step's flattened batch, padded to num_tokens: request r owns rows query_start[r] .. query_start[r + 1] - 1."""
+
+    query_start: torch.Tensor  # [R + 1] int32 (cu_seqlens); padding requests are empty
+    positions: torch.Tensor  # [num_tokens] int64 (0 on padding rows)
+    slots: torch.Tensor  # [num_tokens] int64: KV slots, -1 on padding rows (never written)
+    owner: torch.Tensor  # [num_tokens] int64: each row's request (padding rows: the last request)
+    offset: torch.Tensor  # [num_tokens] int64: each row's index among its request's rows
+    seq_lens: torch.Tensor  # [R] int32: context length after the step (0 for empty requests)
+    real: torch.Tensor  # [num_tokens] bool: rows that hold a token
+
+
 def flat_layout(
-    num_plain: torch.Tensor,  # [R] int: tokens each request feeds besides drafts (prompt chunk or last token)
+    num_plain: torch.Tensor,  # [R] int: tokens each request feeds besides drafts (prompt chunk or last token; 0: none)
     counts: torch.Tensor,  # [R] int: drafts each request verifies (allocate)
     num_computed: torch.Tensor,  # [R] int: tokens already in its KV cache (the first position fed)
     block_tables: torch.Tensor,  # [R, max_blocks] int
     block_size: int,
-    num_tokens: int,  # sum(num_plain + counts), known on the host (the budget is), so no read-back
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Query offsets [R + 1], positions [num_tokens] and KV slots [num_tokens] of the flattened verify batch, built
-    on the counts' device: request r feeds positions num_computed[r] .. + num_plain[r] + counts[r] - 1."""
+    num_tokens: int,  # the padded row count, at least sum(num_plain + counts), known on the host: no read-back
+) -> FlatLayout:
+    """The flattened verify batch built on the counts' device with fixed shapes (a CUDA graph can capture it): request r
+    feeds positions num_computed[r] .. + num_plain[r] + counts[r] - 1; rows past the last request's are padding."""
     dev = counts.device
+    num_reqs = counts.numel()
     lengths = (num_plain + counts).to(torch.int64)
-    query_start = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=dev)
+    query_start = torch.zeros(num_reqs + 1, dtype=torch.int64, device=dev)
     query_start[1:] = torch.cumsum(lengths, 0)
-    owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=num_tokens)
-    offset = torch.arange(num_tokens, device=dev) - query_start[owner]
-    positions = num_computed.to(torch.int64)[owner] + offset
-    blocks = block_tables.to(torch.int64)[owner, positions // block_size]
-    return query_start.to(torch.int32), positions, blocks * block_size + positions % block_size
+    row = torch.arange(num_tokens, device=dev)
+    owner = torch.searchsorted(query_start[1:], row, right=True).clamp_(max=num_reqs - 1)
+    offset = row - query_start[owner]
+    real = row < query_start[-1]
+    positions = torch.where(real, num_computed.to(torch.int64)[owner] + offset, 0)
+    column = (positions // block_size).clamp_(max=block_tables.shape[1] - 1)
+    blocks = block_tables.to(torch.int64)[owner, column]
+    slots = torch.where(real, blocks * block_size + positions % block_size, -1)
+    seq_lens = torch.where(lengths > 0, num_computed.to(torch.int64) + lengths, 0)
+    return FlatLayout(query_start.to(torch.int32), positions, slots, owner, offset, seq_lens.to(torch.int32), real)
 
 
 def drafting_verdict(

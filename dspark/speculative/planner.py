@@ -367,6 +367,42 @@ class VerificationPlanner:
         # Host time of the budget choice and the allocation, kernel and copy included (the device is idle here).
         self.plan_ms_total += (time.perf_counter() - started) * 1e3
 
+    def pipelined_budget(self, request_ids: list[str], caps: list[int]) -> int:
+        """B for a pipelined step (worker/spec_pipeline.py) of these requests, each decoding one token and verifying
+        up to caps[i] drafts: in async mode from their stale survivals (observe_host), fixed mode every draft."""
+        if not self.adaptive:
+            return sum(caps)
+        assert self.mode == "async", "synchronous verification reads live survivals on the host: not pipelined"
+        n = len(request_ids)
+        return self._stale_budget(self._rows(request_ids), caps, n, n)
+
+    def observe_host(self, request_ids: list[str], host: np.ndarray) -> None:
+        """A pipelined step's new drafts: their survivals and raw confidences ([R, 2K] float64, already on the host,
+        EMA applied on the device). They become the stale rows later budgets read, and what record() reads when the
+        drafts are verified."""
+        if not request_ids:
+            return
+        k = self.k
+        slots = self._rows(request_ids)
+        rows = np.asarray(slots, dtype=np.int64)
+        survivals = host[:, :k]
+        held = survivals[:, 0] > 0
+        self._stale.numpy()[rows[held]] = survivals[held]
+        self._has_stale.numpy()[rows[held]] = True
+        if held.any():
+            self._prior = update_prior(self._prior, torch.from_numpy(survivals[held]))
+        copy = _Copy(slots, torch.from_numpy(host), None, self._generation[rows])
+        self._published.update((rid, (copy, i)) for i, rid in enumerate(request_ids))
+        self._pending.update(request_ids)
+        self._history.update(request_ids)
+
+    def count_verified(self, num_verified: np.ndarray) -> None:
+        """A pipelined step's verification lengths (the device allocated them), for the budget statistics."""
+        self.num_planned_steps += 1
+        self.sum_budget += int(num_verified.sum())
+        for ell in num_verified.tolist():
+            self.verify_len_hist[ell] += 1
+
     def _stale_budget(self, slots: list[int], caps: list[int], num_sampling: int, num_other: int) -> int:
         """B* from the rows' stale survivals, each cut to the drafts its request holds."""
         assert self.cost is not None

@@ -206,10 +206,12 @@ class StepTimer:
         drafted: bool,
         ending_ms: float = 0.0,
         wait_ms: float = 0.0,
+        num_verified: int = 0,
     ) -> None:
-        """A continued step (async scheduling: launched before its predecessor was collected) was collected. Such steps
-        verify no drafts; their cost is the host wall time from one's collection to the next's (the device runs one
-        while the host processes the other, so no pair of events brackets a step). A plain one feeds the plain
+        """A continued step (async scheduling: launched before its predecessor was collected) was collected. A plain
+        continued step verifies no drafts; a pipelined one (worker/spec_pipeline.py) verified num_verified. Their cost
+        is the host wall time from one's collection to the next's (the device runs one while the host processes the
+        other, so no pair of events brackets a step). A plain one feeds the plain
         regime's rate and the cost model's plain residual; one that drafted (the regime chose to draft after it, ending
         the run) switches regime and is not a measurement of either regime's rate, but feeds the speculative
         residual.
@@ -231,7 +233,7 @@ class StepTimer:
         ms = without_ending((now - start) * 1e3, ending_ms, shortened)
         if ms is None:  # nearly all ending work
             return
-        planner.regime.observe(num_requests, False, drafted, num_emitted, ms)
+        planner.regime.observe(num_requests, num_verified > 0, drafted, num_emitted, ms)
         # NOTE: and the cost model: what a plain step costs in a pipelined run (its host work overlaps the device's,
         # unlike the profiled step run alone) is what drafting must beat; one that drafted is the first step of a
         # drafting run, priced as the profile's plain pass plus drafting. That first step is continued, so it was
@@ -242,6 +244,6 @@ class StepTimer:
         # Only below OUTLIER_RATIO: a first step at 5x its refined prediction or more waits for a second one.
         base = cost.base
         if drafted:
-            cost.observe(num_requests, base.step_ms(num_requests, num_requests), ms, True)
+            cost.observe(num_requests, base.step_ms(num_requests, num_requests + num_verified), ms, True)
         else:
             cost.observe(num_requests, base.plain_step_ms(num_requests, num_requests), ms, False)

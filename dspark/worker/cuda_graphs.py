@@ -138,10 +138,10 @@ class GraphRunner:
                     r = min(t, self.max_num_seqs)
                     self._warmup_inputs(t, r, q)
                     backend = self.backend_factory()
-                    self._forward(backend, t, r, q)  # warm-up: compiles kernels, creates handles
+                    self.forward_static(backend, t, r, q)  # warm-up: compiles kernels, creates handles
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self._forward(backend, t, r, q)
+                        self.forward_static(backend, t, r, q)
                     self.graphs[t, q] = _Graph(graph, t, r)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -157,7 +157,9 @@ class GraphRunner:
         self.pos[:t].zero_()
         self.tables[:r].zero_()
 
-    def _forward(self, backend: AttentionBackend, t: int, r: int, q: int) -> None:
+    def forward_static(self, backend: AttentionBackend, t: int, r: int, q: int) -> None:
+        """The target's forward over the static buffers' first t tokens and r request slots (logits and taps into
+        theirs; the drafter's context write in a side stream): what every graph replays."""
         cfg = self.model.config
         meta = AttentionMetadata(
             num_actual_tokens=t,  # an upper bound; the Triton backend reads padding from slot -1 and query_start_loc

@@ -7,6 +7,7 @@ the scheduler and the engine.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,11 +25,14 @@ from dspark.models.llama import CausalLM
 from dspark.sample.ops import SamplingRow, logits_to_probs
 from dspark.sample.rejection import VerifyRow, verify, verify_plain
 from dspark.sample.sampler import SampledRow, Sampler
+from dspark.speculative.budget import FlatLayout
 from dspark.speculative.drafters.base import Drafter, Proposal
+from dspark.speculative.drafters.dspark.drafter import DSparkDrafter
 from dspark.utils.numerics import padded_rows
 from dspark.utils.platform import triton_available
 from dspark.utils.transfer import Download, download, upload, upload_tensor
 from dspark.worker.cuda_graphs import GraphRunner
+from dspark.worker.spec_pipeline import PlainStart, SpecLaunch, SpecPipeline, SpecResult
 
 LogitsOf = Callable[[list[int]], torch.Tensor]  # the step's fp32 logits of these flattened rows (padding allowed)
 
@@ -43,6 +47,7 @@ class RunnerOutput:
     # request of a continued step samples one plain token). NOTE: a SampledRow and a dict entry per request were
     # ~0.4 ms of a continued step's host work at C = 1024 on the 2-vCPU machine.
     tokens: list[int] | None = None
+    spec: SpecResult | None = None  # a pipelined speculative step's outputs, one row per request in the step's order
 
 
 @dataclass
@@ -62,6 +67,7 @@ class Launched:
     # plain == "temperature": the rows' temperatures ([n] fp32 on the device), seeds and output positions (int64), for
     # a step that continues the same entries (engine._continuation) to reuse, its positions one further on.
     temperature_rows: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
+    spec: SpecLaunch | None = None  # a pipelined speculative step (worker/spec_pipeline.py)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -95,7 +101,9 @@ class ModelRunner:
         verify_method: str = "strict",
         max_model_len: int | None = None,
         num_spec_tokens: int = 0,
+        ema_alpha: float = 0.0,
     ) -> None:
+        """ema_alpha: pipelined speculative steps' confidence EMA (the spec's adaptive_verification_ema_alpha)."""
         self.config = config
         self.model = model
         self.device = device
@@ -118,6 +126,8 @@ class ModelRunner:
         # verify_plain where every request allows it (benchmarks/gpu/step_profile.py turns it off to time verify()'s
         # row-by-row path beside it)
         self.plain_verify = True
+        # Benchmarks only (CUDA): each launch's device time, a pair of events around its work (None: not timed).
+        self.device_steps: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         self.graphs: GraphRunner | None = None
         if device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
             from dspark.attention.triton_backend import TritonAttention
@@ -139,12 +149,54 @@ class ModelRunner:
             capture_drafter = getattr(drafter, "capture_graphs", None)
             if capture_drafter is not None and getattr(drafter, "backend", self.backend).name == "triton":
                 capture_drafter(config.max_num_seqs, max_model_len or cfg.max_position_embeddings)
+        # Pipelined speculative steps (drafting and verification on the device, launched a step ahead): a DSpark
+        # drafter with a confidence head, whose drafts the device can allocate and verify alone.
+        self.pipeline: SpecPipeline | None = None
+        if isinstance(drafter, DSparkDrafter) and drafter.model.confidence_head is not None:
+            self.pipeline = SpecPipeline(
+                drafter,
+                self._pipeline_forward,
+                device,
+                config.max_num_seqs,
+                max_model_len or cfg.max_position_embeddings,
+                config.block_size,
+                cfg.vocab_size,
+                verify_method,
+                ema_alpha,
+            )
+            if self.graphs is not None and drafter.backend.name == "triton":
+                from dspark.attention.triton_backend import TritonAttention
+
+                self.pipeline.capture(self.graphs, functools.partial(TritonAttention, invariant=config.batch_invariant))
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.collect(self.launch(sched))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, previous: Launched | None = None) -> Launched:
+        """Queue the step on the device (_launch), timed on the device where device_steps asks for it."""
+        start = self._device_mark()
+        launched = self._launch(sched, previous)
+        self._device_step(start)
+        return launched
+
+    def _device_mark(self) -> torch.cuda.Event | None:
+        if self.device_steps is None:
+            return None
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def _device_step(self, start: torch.cuda.Event | None) -> None:
+        if start is not None and self.device_steps is not None:
+            self.device_steps.append((start, self._device_mark()))  # type: ignore[arg-type]
+
+    def take_device_ms(self) -> list[float]:
+        """The device milliseconds of the steps timed since the last call (all of them complete: call after a sync)."""
+        steps, self.device_steps = self.device_steps or [], [] if self.device_steps is not None else None
+        return [start.elapsed_time(end) for start, end in steps]
+
+    def _launch(self, sched: SchedulerOutput, previous: Launched | None = None) -> Launched:
         """Queue the step on the device. With `previous` (a step launched and not yet collected), every scheduled
         request continues from it (ScheduledRequest.continues): its input is the token `previous` sampled for it,
         taken on the device, at the position after that step's."""
@@ -246,8 +298,57 @@ class ModelRunner:
             self.drafter.extend_context(None if tapped is None else tapped[rows], pos[rows], slot_mapping[rows])
         return launched
 
+    @torch.inference_mode()
+    def launch_pipelined(self, sched: SchedulerOutput, previous: Launched, budget: int, draft: bool) -> Launched:
+        """Queue a pipelined speculative step (worker/spec_pipeline.py) continuing `previous`, a pipelined step or a
+        plain one (not yet collected): verify `budget` drafts in all, then draft the next block if `draft`."""
+        assert self.pipeline is not None
+        start = None
+        if previous.spec is None:
+            assert previous.tokens is not None, "a pipeline starts after a plain sampling step"
+            num_new = {s.request.request_id: s.num_new_tokens for s in previous.sched.scheduled}
+            start = PlainStart(previous.tokens, previous.request_ids, num_new)
+        mark = self._device_mark()
+        launched = Launched(sched, spec=self.pipeline.launch(sched, budget, draft, start))
+        self._device_step(mark)
+        return launched
+
+    def _pipeline_forward(self, ids: torch.Tensor, lay: FlatLayout, num_tokens: int) -> torch.Tensor:
+        """A pipelined step's target forward, eagerly: [num_tokens, vocab] fp32 logits of every row, and the drafter's
+        context of every real row (a rejected draft's is overwritten by the next block before anything reads it)."""
+        num_reqs = lay.seq_lens.shape[0]
+        qs, lens = lay.query_start.tolist(), lay.seq_lens.tolist()
+        pad = padded_rows(num_tokens) - num_tokens
+        pipeline = self.pipeline
+        assert pipeline is not None
+        meta = AttentionMetadata(
+            num_actual_tokens=qs[-1],
+            slot_mapping=torch.cat([lay.slots, lay.slots.new_full((pad,), -1)]) if pad else lay.slots,
+            query_start_loc=lay.query_start,
+            seq_lens=lay.seq_lens,
+            block_tables=pipeline.tables[:num_reqs],
+            query_start_loc_cpu=qs,
+            seq_lens_cpu=lens,
+            max_query_len=max(b - a for a, b in itertools.pairwise(qs)),
+            max_seq_len=max(lens),
+        )
+        mcfg = self.model.config
+        self.backend.prepare(meta, mcfg.num_kv_heads, mcfg.num_heads, self.block_size)
+        pos = torch.cat([lay.positions, lay.positions.new_zeros(pad)]) if pad else lay.positions
+        x = torch.cat([ids, ids.new_zeros(pad)]) if pad else ids
+        taps = self.drafter.tap_layers if self.drafter is not None else ()
+        hidden, tapped = self.model.forward_with_taps(
+            x, pos, AttentionContext(self.backend, meta, self.kv_caches), taps
+        )
+        n = qs[-1]
+        if self.drafter is not None and tapped is not None:
+            self.drafter.extend_context(tapped[:n], pos[:n], meta.slot_mapping[:n])
+        return self.model.compute_logits(hidden)[:num_tokens]
+
     def collect(self, launched: Launched) -> RunnerOutput:
         """The step's output; for a plain sampling step, the one wait for its tokens."""
+        if launched.spec is not None:
+            return RunnerOutput({}, spec=SpecPipeline.collect(launched.spec))
         if launched.output is not None:
             return launched.output
         if launched.download is None:  # nothing sampled (prompt chunks only)

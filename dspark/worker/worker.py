@@ -91,6 +91,7 @@ class Worker:
             spec.verify_method if spec is not None else "strict",
             self.max_model_len,
             self.num_spec_tokens,
+            spec.adaptive_verification_ema_alpha if spec is not None else 0.0,
         )
 
     def _load_dspark(self) -> DSparkModel:

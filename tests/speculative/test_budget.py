@@ -168,16 +168,23 @@ def test_flat_layout_matches_the_host_builder() -> None:
     computed = torch.tensor([6, 0, 13, 2])
     tables = torch.tensor([[7, 2, 9, 0, 0], [3, 4, 0, 0, 0], [1, 5, 6, 8, 11], [10, 0, 0, 0, 0]])
     n = int((num_plain + counts).sum())
-    qs, pos, slots = flat_layout(num_plain, counts, computed, tables, bs, n)
-    want_pos, want_slots, want_qs = [], [], [0]
+    pad = 5  # rows past the requests': slot -1, position 0
+    lay = flat_layout(num_plain, counts, computed, tables, bs, n + pad)
+    want_pos, want_slots, want_qs, want_owner, want_offset = [], [], [0], [], []
     for r in range(4):
-        for p in range(int(computed[r]), int(computed[r] + num_plain[r] + counts[r])):
+        for i, p in enumerate(range(int(computed[r]), int(computed[r] + num_plain[r] + counts[r]))):
             want_pos.append(p)
             want_slots.append(int(tables[r, p // bs]) * bs + p % bs)
+            want_owner.append(r)
+            want_offset.append(i)
         want_qs.append(len(want_pos))
-    assert qs.tolist() == want_qs and pos.tolist() == want_pos and slots.tolist() == want_slots
+    assert lay.query_start.tolist() == want_qs
+    assert lay.positions.tolist() == want_pos + [0] * pad and lay.slots.tolist() == want_slots + [-1] * pad
+    assert lay.owner[:n].tolist() == want_owner and lay.offset[:n].tolist() == want_offset
+    assert lay.real.tolist() == [True] * n + [False] * pad
+    assert lay.seq_lens.tolist() == [10, 5, 16, 0]  # an empty request has no context in the step
     zero = flat_layout(num_plain, torch.zeros(4, dtype=torch.int64), computed, tables, bs, int(num_plain.sum()))
-    assert zero[0].tolist() == [0, 1, 6, 7, 7]  # budget 0: exactly the plain tokens' offsets
+    assert zero.query_start.tolist() == [0, 1, 6, 7, 7]  # budget 0: exactly the plain tokens' offsets
 
 
 def test_the_float_budget_choice_is_the_tensor_one() -> None:

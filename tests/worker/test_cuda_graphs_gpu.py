@@ -50,8 +50,10 @@ def test_cuda_graphs_give_the_eager_tokens(tmp_path: Path) -> None:
         assert runner is not None and runner.graphs
         got = [o.outputs[0].token_ids for o in graphs.generate(prompts, greedy)]
         assert runner.num_replays > 0
-        if spec is not None and spec["method"] == "dspark":
-            assert graphs.engine.runner.drafter.graphs.num_replays > 0
+        if spec is not None and spec["method"] == "dspark":  # drafting in pipelined steps, or on the host's path
+            pipeline = graphs.engine.runner.pipeline
+            drafted_in_graphs = graphs.engine.runner.drafter.graphs.num_replays
+            assert drafted_in_graphs > 0 or (pipeline is not None and pipeline.num_graph_replays > 0)
         assert got == want, spec
         del graphs, runner
 
