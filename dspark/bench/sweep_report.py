@@ -43,11 +43,12 @@ def paired_adaptive_ratio(arms: dict[str, dict[str, Any]]) -> float | None:
 
 
 def paired_ratio(arms: dict[str, dict[str, Any]], a: str, b: str) -> float | None:
-    """The median over rounds of arm a's throughput over arm b's in the same round; None without both or rounds."""
+    """The median over rounds of arm a's throughput over arm b's in the same round; None without both sides or with
+    one round."""
     if a not in arms or b not in arms:
         return None
     xs, ys = arms[a]["rounds_output_throughput"], arms[b]["rounds_output_throughput"]
-    if not xs or len(xs) != len(ys):
+    if len(xs) < 2 or len(xs) != len(ys):
         return None
     return statistics.median(x / y for x, y in zip(xs, ys, strict=True))
 

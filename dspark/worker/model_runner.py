@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +34,8 @@ from dspark.utils.platform import triton_available
 from dspark.utils.transfer import Download, download, upload, upload_tensor
 from dspark.worker.cuda_graphs import GraphRunner
 from dspark.worker.spec_pipeline import PlainStart, SpecLaunch, SpecPipeline, SpecResult
+
+logger = logging.getLogger("dspark")
 
 LogitsOf = Callable[[list[int]], torch.Tensor]  # the step's fp32 logits of these flattened rows (padding allowed)
 
@@ -167,7 +170,14 @@ class ModelRunner:
             if self.graphs is not None and drafter.backend.name == "triton":
                 from dspark.attention.triton_backend import TritonAttention
 
-                self.pipeline.capture(self.graphs, functools.partial(TritonAttention, invariant=config.batch_invariant))
+                try:
+                    self.pipeline.capture(
+                        self.graphs, functools.partial(TritonAttention, invariant=config.batch_invariant)
+                    )
+                except Exception:  # the engine still serves, drafting on the host's path: loudly, not silently
+                    logger.exception("capturing pipelined speculative steps failed; drafting on the host instead")
+                    self.pipeline = None
+                    torch.cuda.synchronize(device)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.collect(self.launch(sched))

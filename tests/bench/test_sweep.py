@@ -35,6 +35,8 @@ NUM_PROMPTS, OUTPUT_LEN = 8, 8
 ROW_KEYS = {
     "arm",
     "step_ms_by_kind",
+    "step_wall_ms",
+    "step_device_ms",
     "concurrency",
     "temperature",
     "output_throughput",
@@ -117,6 +119,12 @@ def test_rows(sweep: Sweep) -> None:
     for row in rows:
         assert row.keys() == ROW_KEYS
         assert row["completed"] == NUM_PROMPTS
+        assert row["step_device_ms"] is None  # CPU: no device events
+        assert (row["step_wall_ms"] is None) == (row["arm"] == "hf")
+        if row["arm"] != "hf":
+            decode = [k for kind, k in row["step_ms_by_kind"].items() if kind != "prefill"]
+            lo, hi = min(k["median_ms"] for k in decode), max(k["max_ms"] for k in decode)
+            assert lo - 1e-3 <= row["step_wall_ms"] <= hi + 1e-3  # the kinds' figures are rounded to the microsecond
         kinds = row["step_ms_by_kind"]  # the engine's steps, each timed once under what it ran; hf has none
         assert sum(k["steps"] for k in kinds.values()) == (row["num_steps"] if row["arm"] != "hf" else 0)
         assert all(0 < k["median_ms"] <= k["max_ms"] <= k["total_ms"] for k in kinds.values())
@@ -202,11 +210,13 @@ def test_writes_json_plot_and_markdown(sweep: Sweep, tmp_path: Path) -> None:
     assert "token_ids" not in paths[0].read_text()
     assert paths[1].read_bytes().startswith(b"\x89PNG")
     table = paths[2].read_text().splitlines()
-    assert table[0].endswith("| hf tok/s | adaptive / max(no-spec, best fixed) | no-spec / hf |")
+    ends = "| hf tok/s | adaptive / max(no-spec, best fixed) | no-spec / hf | no-spec step wall / device ms |"
+    assert table[0].endswith(ends)  # one round: no paired ratios
     lines = [line.strip("| ").split(" | ") for line in table if line.startswith("| ")]
     assert len(lines) == 1 + len(TEMPERATURES) * len(CONCURRENCIES)
     for cells in lines[1:]:
-        assert (cells[-3] == "-") == (cells[-1] == "-") == (int(cells[1]) not in HF_CONCURRENCIES)
+        assert (cells[-4] == "-") == (cells[-2] == "-") == (int(cells[1]) not in HF_CONCURRENCIES)
+        assert cells[-1].endswith(" / -")  # a decode step's wall ms; no device ms on CPU
     assert table[-1].startswith("adaptive / max(no-spec, best fixed): median")
     assert "; no-spec / hf: " in table[-1] and "(C=4, T=0)" in table[-1]
 
@@ -219,7 +229,7 @@ def test_cli(
     argv += ["--data-dir", str(data_dir), "--hf-concurrency", "2"]  # --hf-concurrency turns the hf arm on
     assert main([*argv, "--output-json", str(tmp_path / "s.json")]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0] == "| T | C | no-spec tok/s | hf tok/s | no-spec / hf |"
+    assert out[0] == "| T | C | no-spec tok/s | hf tok/s | no-spec / hf | no-spec step wall / device ms |"
     assert out[-1].startswith("fastest arm: ") and "no-spec / hf: " in out[-1]
     result = json.loads((tmp_path / "s.json").read_text())
     assert [r["arm"] for r in result["rows"]] == ["no-spec", "hf"]

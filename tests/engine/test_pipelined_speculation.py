@@ -183,3 +183,45 @@ def test_a_pipeline_ends_and_starts_again_around_an_admission_and_stops(
     pipeline = llm.engine.runner.pipeline
     assert pipeline is not None and pipeline.num_launched >= 4
     assert llm.engine.kv.num_used_blocks == 0
+
+
+def test_the_graphs_static_drafting_inputs_are_the_eager_ones(
+    tiny_model_dirs: dict[str, Path], echo_drafters: dict[str, Path]
+) -> None:
+    """CUDA graphs read a drafting pass's metadata from static buffers (SpecPipeline.capture): filled from the rows,
+    they hold what the eager pass computes (slots, query starts, context lengths, block tables)."""
+    from dspark.attention.base import AttentionMetadata
+    from dspark.utils.numerics import padded_rows
+
+    spec = {"method": "dspark", "model": str(echo_drafters["llama"]), "enable_adaptive_verification": False}
+    llm = _llm(tiny_model_dirs["llama"], spec)
+    engine = llm.engine
+    for i, p in enumerate(_prompts(5, [6, 14, 9])):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), f"r{i}")
+    for _ in range(4):
+        engine.step()
+    pipeline = engine.runner.pipeline
+    assert pipeline is not None and pipeline.num_launched > 0
+    r, K = 4, pipeline.block  # one padding row slot past the three requests
+    eager = pipeline.prologue_b(r, sample=True)
+    meta = AttentionMetadata(
+        num_actual_tokens=r * K,
+        slot_mapping=torch.full((padded_rows(r * K),), 7, dtype=torch.int64),
+        query_start_loc=torch.zeros(r + 1, dtype=torch.int32),
+        seq_lens=torch.zeros(r, dtype=torch.int32),
+        block_tables=torch.zeros(r, pipeline.max_blocks, dtype=torch.int32),
+        query_start_loc_cpu=[],
+        seq_lens_cpu=[],
+        max_query_len=K,
+        max_seq_len=pipeline.max_blocks * pipeline.block_size,
+        causal=False,
+    )
+    static = pipeline.prologue_b(r, sample=True, meta_out=meta)
+    for a, b in zip(eager[:2] + eager[3:5], static[:2] + static[3:5], strict=True):
+        assert torch.equal(a, b)
+    assert eager[5] is not None and static[5] is not None and torch.equal(eager[5], static[5])
+    m = eager[2]
+    assert torch.equal(meta.slot_mapping, m.slot_mapping) and torch.equal(meta.query_start_loc, m.query_start_loc)
+    assert torch.equal(meta.seq_lens, m.seq_lens) and torch.equal(meta.block_tables, m.block_tables)
+    assert meta.seq_lens.tolist()[3] == 0 and (meta.slot_mapping[3 * K :] == -1).all()  # the padding row is empty
+    engine.abort_request(["r0", "r1", "r2"])
