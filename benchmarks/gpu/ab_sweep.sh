@@ -21,14 +21,17 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 DATA=${DATA:-.device/data}
 mkdir -p "$OUT"
+ROOT=$PWD
 mapfile -t TREES < .ab/ORDER
 for t in "${TREES[@]}"; do ln -sfn "$PWD/dspark/assets" ".ab/$t/dspark/assets"; done
 arms=$(for a in ${AB_ARMS:-no-spec adaptive}; do printf -- "--arm %s " "$a"; done)
 for round in $(seq 1 "${AB_ROUNDS:-3}"); do
   for t in "${TREES[@]}"; do
-    PYTHONPATH="$PWD/.ab/$t:${PYTHONPATH:-}" timeout "${AB_S:-200}" python -m dspark bench sweep --device cuda \
+    # From the tree's own folder: `python -m` puts the working directory first on sys.path.
+    (cd ".ab/$t" && timeout "${AB_S:-200}" python -m dspark bench sweep --device cuda \
       --speculative-config '{"method": "dspark"}' $arms --concurrency ${AB_CONCS:-1 256} --temperature 0 \
-      --waves 1 --output-len 256 --data-dir "$DATA" --output-json "$OUT/ab-$t-$round.json" > "$OUT/ab-$t-$round.log" 2>&1
+      --waves 1 --output-len 256 --data-dir "$ROOT/$DATA" --output-json "$OUT/ab-$t-$round.json") \
+      > "$OUT/ab-$t-$round.log" 2>&1
     echo "round $round tree $t rc=$? $(tail -1 "$OUT/ab-$t-$round.log")"
   done
 done

@@ -237,8 +237,10 @@ def verify_on_device(
     capture it (the pipelined speculative step builds these inputs on the device as well)."""
     k = drafts.shape[1]
     j = torch.arange(k + 1, device=logits.device)
-    # [R, k + 1]: the row of each position, draft j for j < num_drafts and the bonus row from num_drafts on
-    t_index = row_start[:, None] + torch.minimum(j[None, :], num_drafts[:, None])
+    # [R, k + 1]: the row of each position, draft j for j < num_drafts and the bonus row from num_drafts on. An empty
+    # (padding) request starts where the real rows end, which can be past the last row: clamped, and never read.
+    last_row = logits.shape[0] - 1
+    t_index = (row_start[:, None] + torch.minimum(j[None, :], num_drafts[:, None])).clamp_(max=last_row)
     valid = j[None, :k] < num_drafts[:, None]
     tops = logits.argmax(dim=-1)
     choice = tops[t_index]  # what greedy verification compares each draft with, and emits instead
@@ -268,7 +270,7 @@ def verify_on_device(
     # Both ways a request can end its emitted run, computed for every request (fixed shapes): the bonus row's plain
     # draw (read where every draft was accepted), and the first rejection's correction, a sample of
     # normalise(max(p - q, 0)) (read where a draft was rejected).
-    bonus_row = row_start + num_drafts
+    bonus_row = t_index.gather(1, num_drafts[:, None]).squeeze(1)
     bonus = torch.where(greedy, tops[bonus_row], draw(probs[bonus_row], uniforms_t(seeds, first_counters + num_drafts)))
     p_rej = probs[t_index.gather(1, at).squeeze(1)].double()
     residual = (p_rej - draft_probs[draft_index.gather(1, at).squeeze(1)].double()).clamp_(min=0.0)

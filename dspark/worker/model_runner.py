@@ -326,16 +326,17 @@ class ModelRunner:
     def _pipeline_forward(self, ids: torch.Tensor, lay: FlatLayout, num_tokens: int) -> torch.Tensor:
         """A pipelined step's target forward, eagerly: [num_tokens, vocab] fp32 logits of every row, and the drafter's
         context of every real row (a rejected draft's is overwritten by the next block before anything reads it)."""
-        num_reqs = lay.seq_lens.shape[0]
-        qs, lens = lay.query_start.tolist(), lay.seq_lens.tolist()
+        lens = lay.seq_lens.tolist()
+        num_reqs = next((i for i, n in enumerate(lens) if n == 0), len(lens))  # padding requests (empty) come last
+        qs, lens = lay.query_start.tolist()[: num_reqs + 1], lens[:num_reqs]
         pad = padded_rows(num_tokens) - num_tokens
         pipeline = self.pipeline
         assert pipeline is not None
         meta = AttentionMetadata(
             num_actual_tokens=qs[-1],
             slot_mapping=torch.cat([lay.slots, lay.slots.new_full((pad,), -1)]) if pad else lay.slots,
-            query_start_loc=lay.query_start,
-            seq_lens=lay.seq_lens,
+            query_start_loc=lay.query_start[: num_reqs + 1],
+            seq_lens=lay.seq_lens[:num_reqs],
             block_tables=pipeline.tables[:num_reqs],
             query_start_loc_cpu=qs,
             seq_lens_cpu=lens,

@@ -141,6 +141,7 @@ class SpecPipeline:
         self.sizes_b: list[int] = []
         self.num_launched = 0
         self.num_graph_replays = 0  # steps 1-6 replayed from a graph
+        self.pad_eagerly = False  # run eager steps at the graphs' padded shapes (pad_like_graphs)
 
     # ---- the host side ---------------------------------------------------------------------------------------------
 
@@ -180,6 +181,8 @@ class SpecPipeline:
         if key_a is not None and (key_a, sampled) in self.graphs_a:
             self.graphs_a[key_a, sampled].replay()
             self.num_graph_replays += 1
+        elif key_a is not None and self.pad_eagerly:  # the graphs' padded shapes, run eagerly (tests)
+            self.run_a(min(key_a, self.max_rows), key_a, sampled)
         else:
             self.run_a(num_rows, num_tokens, sampled)
         if draft:
@@ -188,7 +191,7 @@ class SpecPipeline:
             if key_b is not None and (key_b, sample) in self.graphs_b:
                 self.graphs_b[key_b, sample].replay()
             else:
-                self.run_b(num_rows, sample)
+                self.run_b(key_b if key_b is not None and self.pad_eagerly else num_rows, sample)
         else:
             self.survival[:num_rows].zero_()  # nothing drafted: the next step verifies nothing
         out_i, out_f = self.h_out[self._flip]
@@ -345,15 +348,16 @@ class SpecPipeline:
         pad = padded_rows(num_tokens) - num_tokens
         positions = torch.cat([pos.reshape(-1), pos.new_zeros(pad)]) if pad else pos.reshape(-1)
         slots = torch.cat([slots, slots.new_full((pad,), -1)]) if pad else slots
-        if meta_out is None:  # eager: the host lists the torch backend reads (free on CPU)
+        if meta_out is None:  # eager: the real requests only, with the host lists the torch backend reads
+            n = int(self.ctrl[1])
             meta = AttentionMetadata(
-                num_actual_tokens=num_tokens,
+                num_actual_tokens=n * K,
                 slot_mapping=slots,
-                query_start_loc=query_start,
-                seq_lens=seq_lens,
-                block_tables=self.tables[:r],
-                query_start_loc_cpu=query_start.tolist(),
-                seq_lens_cpu=seq_lens.tolist(),
+                query_start_loc=query_start[: n + 1],
+                seq_lens=seq_lens[:n],
+                block_tables=self.tables[:n],
+                query_start_loc_cpu=query_start[: n + 1].tolist(),
+                seq_lens_cpu=seq_lens[:n].tolist(),
                 max_query_len=K,
                 max_seq_len=int(seq_lens.max()),
                 causal=False,
@@ -393,6 +397,13 @@ class SpecPipeline:
             self.draft_probs.view(self.max_rows, k, -1)[:r] = probs
         self.out_f[:r, :k] = survival
         self.out_f[:r, k:] = current
+
+    def pad_like_graphs(self, max_tokens: int) -> None:
+        """Run eager steps at the shapes graphs would be captured for (padding rows and tokens included): what a
+        CPU test needs to reach the graphs' padding."""
+        self.sizes_a = capture_sizes(max_tokens)
+        self.sizes_b = capture_sizes(self.max_rows)
+        self.pad_eagerly = True
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------------------
 

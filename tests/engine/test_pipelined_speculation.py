@@ -52,8 +52,11 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
 
 
-def _llm(model: Path, spec: dict[str, Any] | None, async_scheduling: bool = True, **kw: Any) -> LLM:
-    return LLM(
+def _llm(
+    model: Path, spec: dict[str, Any] | None, async_scheduling: bool = True, padded: bool = False, **kw: Any
+) -> LLM:
+    """padded: pipelined steps run at the shapes CUDA graphs are captured for (padding rows and tokens), eagerly."""
+    llm = LLM(
         model=str(model),
         dtype="float32",
         max_model_len=512,
@@ -62,23 +65,31 @@ def _llm(model: Path, spec: dict[str, Any] | None, async_scheduling: bool = True
         async_scheduling=async_scheduling,
         **kw,
     )
+    if padded:
+        pipeline = llm.engine.runner.pipeline
+        assert pipeline is not None
+        pipeline.pad_like_graphs(llm.engine.config.max_num_batched_tokens)
+    return llm
 
 
 def _tokens(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize(
+    ("family", "adaptive", "padded"),
+    [("llama", False, False), ("llama", True, True), ("qwen3", False, True), ("qwen3", True, False)],
+    ids=["llama-fixed", "llama-adaptive-padded", "qwen3-fixed-padded", "qwen3-adaptive"],
+)
 def test_greedy_output_is_unchanged(
-    tiny_model_dirs: dict[str, Path], echo_drafters: dict[str, Path], family: str, adaptive: bool
+    tiny_model_dirs: dict[str, Path], echo_drafters: dict[str, Path], family: str, adaptive: bool, padded: bool
 ) -> None:
     model = tiny_model_dirs[family]
     prompts = _prompts(0, [5, 9, 17, 30, 44])
     params = [SamplingParams(temperature=0.0, max_tokens=30 + 7 * i, ignore_eos=True) for i in range(len(prompts))]
     want = _tokens(_llm(model, None, async_scheduling=False), prompts, params)
     spec = {"method": "dspark", "model": str(echo_drafters[family]), "enable_adaptive_verification": adaptive}
-    llm = _llm(model, spec, cost_model=CHEAP_DRAFTS if adaptive else None)
+    llm = _llm(model, spec, padded=padded, cost_model=CHEAP_DRAFTS if adaptive else None)
     assert _tokens(llm, prompts, params) == want
     pipeline = llm.engine.runner.pipeline
     metrics = llm.get_metrics()
@@ -109,8 +120,9 @@ def test_strict_verification_keeps_seeded_sampling(
     assert llm.engine.runner.pipeline is not None and llm.engine.runner.pipeline.num_launched >= 5
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
 def test_rejection_sampled_output_does_not_depend_on_the_batch(
-    tiny_model_dirs: dict[str, Path], echo_drafters: dict[str, Path]
+    tiny_model_dirs: dict[str, Path], echo_drafters: dict[str, Path], padded: bool
 ) -> None:
     """Requests of different lengths end at different steps (the rows that go on are gathered from the step before,
     the draft distributions read at their old rows) and one is aborted mid-run: each of the others samples exactly
@@ -122,7 +134,7 @@ def test_rejection_sampled_output_does_not_depend_on_the_batch(
         for i in range(len(prompts))
     ]
     spec = {"method": "dspark", "model": str(echo_drafters["llama"]), "enable_adaptive_verification": False}
-    llm = _llm(model, spec)
+    llm = _llm(model, spec, padded=padded)
     alone = [_tokens(llm, [p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
     engine = llm.engine
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -220,8 +232,11 @@ def test_the_graphs_static_drafting_inputs_are_the_eager_ones(
     for a, b in zip(eager[:2] + eager[3:5], static[:2] + static[3:5], strict=True):
         assert torch.equal(a, b)
     assert eager[5] is not None and static[5] is not None and torch.equal(eager[5], static[5])
-    m = eager[2]
-    assert torch.equal(meta.slot_mapping, m.slot_mapping) and torch.equal(meta.query_start_loc, m.query_start_loc)
-    assert torch.equal(meta.seq_lens, m.seq_lens) and torch.equal(meta.block_tables, m.block_tables)
-    assert meta.seq_lens.tolist()[3] == 0 and (meta.slot_mapping[3 * K :] == -1).all()  # the padding row is empty
+    m = eager[2]  # the real requests' (three)
+    assert torch.equal(meta.slot_mapping, m.slot_mapping)
+    assert torch.equal(meta.query_start_loc[:4], m.query_start_loc) and torch.equal(meta.seq_lens[:3], m.seq_lens)
+    assert torch.equal(meta.block_tables[:3], m.block_tables)
+    # the padding row is empty: no query rows, no context, no slot written
+    assert meta.query_start_loc[4] == meta.query_start_loc[3] and meta.seq_lens[3] == 0
+    assert (meta.slot_mapping[3 * K :] == -1).all()
     engine.abort_request(["r0", "r1", "r2"])
