@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from dspark.config import EngineConfig, SamplingParams
+from dspark.config import EngineConfig
 from dspark.core.kv_cache import KVCacheManager
 from dspark.core.request import Request, RequestStatus
 from dspark.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dspark.engine.messages import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from dspark.engine.policy import StepPolicy
 from dspark.errors import DSparkError
 from dspark.models.registry import resolve_model
 from dspark.sample.sampler import SampledRow
@@ -37,12 +38,6 @@ from dspark.worker.spec_pipeline import SpecResult
 from dspark.worker.worker import Worker
 
 logger = logging.getLogger("dspark")
-
-
-def _reads_tokens(p: SamplingParams) -> bool:
-    """Sampling that reads the request's tokens or returns logprobs: its next step cannot be launched before its last
-    token reaches the host."""
-    return p.has_penalties or p.logprobs is not None
 
 
 def step_kind(has_chunk: bool, verified: bool, drafted: bool) -> str:
@@ -83,6 +78,7 @@ class EngineCore:
             else None
         )
         self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.policy = StepPolicy(self)
         # Everything built so far (model, graphs, caches) lives as long as the engine. Frozen, the cyclic GC stops
         # re-scanning it on the collections the per-step objects trigger (vLLM freezes after start-up too). A frozen
         # cycle is never collected, so the next engine's construction thaws everything first.
@@ -257,7 +253,7 @@ class EngineCore:
         # Async scheduling: the next step is launched now, before this one's tokens reach the host, so that the device
         # runs it while the host processes these. A refused continuation may carry the drafting choice it asked for.
         draft_choice = None
-        nxt = self._continuation(launched)
+        nxt = self.policy.next_step(launched)
         if isinstance(nxt, bool):
             draft_choice = nxt
         elif nxt is not None:
@@ -292,7 +288,7 @@ class EngineCore:
             draft_choice = bool(drafting) and (
                 self.planner is None or self.planner.should_draft([r.request_id for r in drafting or ()])
             )
-        drafted = draft_choice and bool(drafting) and not self._pipeline_takes_over(drafting)
+        drafted = draft_choice and bool(drafting) and not self.policy.pipeline_takes_over(drafting)
         if drafted:
             assert drafting is not None
             self._draft(drafting)
@@ -552,95 +548,6 @@ class EngineCore:
         req.spec_num_drafts += 1
         req.spec_num_draft_tokens += num_drafts
         req.spec_num_accepted_tokens += num_accepted
-
-    def _continuation(self, launched: Launched) -> SchedulerOutput | bool | None:
-        """Async scheduling: the step that continues `launched` (collected next), or None where the next step needs
-        the host: a prompt chunk, drafts, preemption, a waiting request with a free seat, penalties or logprobs (they
-        read the tokens), running requests left out. False or True: the drafting choice for `launched`'s requests when
-        it is what refused (adaptive speculation asked now, before the step is collected; the step keeps that answer).
-
-        Every request of `launched` continues unless that step ends it by length; one that stops otherwise (EOS, a
-        stop string, an abort) has its continued token dropped when that step is collected (the KV it wrote lies past
-        the request's tokens, in blocks freed with it, and the device runs anything later written there after it)."""
-        sched = launched.sched
-        # A waiting request that could be admitted now goes first; one that could not (every seat taken) does not
-        # stop the overlap: a saturated server always has a queue.
-        admissible = self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.max_num_seqs
-        pipelined = launched.spec is not None
-        if not self.async_scheduling or (launched.tokens is None and not pipelined) or admissible or sched.preempted:
-            return None
-        active = [s.request for s in sched.scheduled if not s.request.status.finished]
-        # A continued step's requests passed these checks when it was built, and nothing in them changes (a request's
-        # sampling parameters are fixed): not asked again, request by request, every step.
-        if len(active) != len(self.scheduler.running) or (
-            not sched.continued
-            and not all(s.samples and not _reads_tokens(s.request.sampling_params) for s in sched.scheduled)
-        ):
-            return None
-        # A plain continuation feeds one token where launched fed one (a pipeline may start after a prompt's end).
-        single = sched.continued or all(s.num_new_tokens == 1 for s in sched.scheduled)
-        # launched's token is not appended yet: a request continues if it may emit at least one more after it.
-        going_on = [r for r in active if len(r.all_token_ids) + 1 < r.end_at]
-        if not going_on:
-            return None
-        if self.spec is not None:
-            drafting = [r.request_id for r in going_on if r.sampling_params.max_speculative_tokens != 0]
-            if drafting and (self.planner is None or self.planner.should_draft(drafting)):
-                nxt = self._pipelined(sched, going_on)
-                return True if nxt is None else nxt
-        if pipelined or not single:  # positions the host does not know yet: launched once this step is collected
-            return None
-        # The KV of launched's token and of this one's, and the drafter's lookahead past them: the regime may choose
-        # to draft after this step.
-        lookahead = self.scheduler.num_lookahead_tokens
-        if not self.kv.allocate_decode(going_on, 2, lookahead=lookahead):
-            return False if self.spec is not None else None  # the drafting choice was asked: plain
-        if sched.continued and len(going_on) == len(sched.scheduled):
-            # The same requests in the same order (going_on keeps sched's order): a continued step's entries are all
-            # alike (one token, no drafts, continues, samples) and nothing changes them, so they serve again.
-            return SchedulerOutput(sched.scheduled, continued=True)
-        return SchedulerOutput([ScheduledRequest(r, 1, continues=True) for r in going_on], continued=True)
-
-    def _pipeline_takes_over(self, drafting: list[Request] | None) -> bool:
-        """Whether these requests' drafts are better left to a pipelined step: the next step, launched alone, feeds
-        their last tokens without drafts, and the step after it starts a pipeline (drafting on the host now would make
-        that step a verification, which no step can continue on the device)."""
-        pipeline, planner = self.runner.pipeline, self.planner
-        if not drafting or pipeline is None or planner is None or planner.mode == "sync" or not self.async_scheduling:
-            return False
-        return len(drafting) <= pipeline.max_rows and all(
-            r.sampling_path != "general" and not _reads_tokens(r.sampling_params) for r in drafting
-        )
-
-    def _pipelined(self, sched: SchedulerOutput, going_on: list[Request]) -> SchedulerOutput | None:
-        """The pipelined speculative step (worker/spec_pipeline.py) that continues `sched` and drafts, or None where
-        the requests need the host's drafting: no device pipeline, synchronous verification (it reads live survivals
-        on the host), a request sampling with more than a temperature, one too near max_model_len for two more steps
-        and a block, or a KV cache too full for them."""
-        pipeline, planner = self.runner.pipeline, self.planner
-        if pipeline is None or planner is None or planner.mode == "sync" or len(going_on) > pipeline.max_rows:
-            return None
-        k, block = self.num_spec_tokens, self.scheduler.num_lookahead_tokens
-        # The tokens the step in flight may add (up to k + 1), this step's (up to k + 1) and the next block's slots.
-        span = 2 * (k + 1) + block
-        if not sched.pipelined_ok and any(r.sampling_path == "general" for r in going_on):
-            return None
-        if max(len(r.all_token_ids) for r in going_on) + span > self.max_model_len:
-            return None
-        if sched.continued:
-            if not self.kv.allocate_decode(going_on, 2 * (k + 1), lookahead=block):
-                return None
-        else:  # the step in flight computes its tokens (a prompt's last chunk, say) before this one's
-            fed = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
-            if not all(self.kv.allocate(r, fed[r.request_id] + k + 1, lookahead=block) for r in going_on):
-                return None
-        caps = [k if (c := r.sampling_params.max_speculative_tokens) is None else min(k, c) for r in going_on]
-        budget = planner.pipelined_budget([r.request_id for r in going_on], caps) if sched.pipelined else 0
-        budget = min(budget, self.scheduler.max_num_batched_tokens - len(going_on))  # the step's token budget
-        if sched.continued and len(going_on) == len(sched.scheduled):
-            return SchedulerOutput(sched.scheduled, continued=True, pipelined=(budget, True), pipelined_ok=True)
-        entries = [ScheduledRequest(r, 1, continues=True) for r in going_on]
-        return SchedulerOutput(entries, continued=True, pipelined=(budget, True), pipelined_ok=True)
 
     def _draft(self, requests: list[Request]) -> None:
         """Propose the drafts each request verifies next step, cut to what it could still emit."""
