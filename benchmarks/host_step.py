@@ -4,14 +4,14 @@
 
 Every request emits one token per step from a stub runner, so what is timed is the engine's own Python: the
 scheduler, the runner's input lists and sampling rows, and output processing (detokenising, stop checks, outputs).
---thaw also times each output kind with the GC heap unfrozen (as before the engine froze it after start-up).
+--thaw also times each output kind with the GC heap unfrozen (as if the engine did not freeze it after start-up).
 --real-runner keeps the model runner's own launch and collect (inputs, sampling-path choice, the argmax, the tokens'
 way back) and stubs only the target's forward and logits (8 vocabulary columns), with --spec the drafter's context
 write, and with a temperature the sampler's draw (the CPU draws row by row, where a CUDA step makes one batched pass;
 the draw's uniforms are still computed on the host); the tokens sampled are then made ordinary text tokens (so that
 streamed output detokenises text). The graph runner's staging (CUDA only) is not in it.
 
-NOTE: against another commit, run both from their own checkouts with PYTHONPATH set to each (`PYTHONPATH=$PWD python
+Against another commit, run both from their own checkouts with PYTHONPATH set to each (`PYTHONPATH=$PWD python
 benchmarks/host_step.py ...` in a `git worktree`): `python benchmarks/host_step.py` puts benchmarks/, not the checkout,
 first on sys.path, and the editable install then imports the main checkout's dspark in both.
 """
@@ -52,12 +52,12 @@ def host_ms(
         max_num_seqs=concurrency,
         max_model_len=1024,
         device="cpu",
-        dtype="bfloat16",  # NOTE: every request's whole run in half the memory (fp32: 19 GB of 23 at C = 1024)
+        dtype="bfloat16",  # every request's whole run in half fp32's memory, which C = 1024 would nearly fill
         speculative_config=config,
         async_scheduling=async_scheduling,
-        # NOTE: every request's whole run fits (64 prompt tokens, 100 + steps generated, a drafter's lookahead): sized
-        # from memory, the cache held ~520 of 1024 requests, and a queue that a free seat could admit stops the overlap
-        # of async scheduling (engine._continuation), so most steps were launched alone.
+        # Every request's whole run fits (64 prompt tokens, 100 + steps generated, a drafter's lookahead): sized
+        # from memory, the cache could hold only part of the requests, and a queue that a free seat could admit stops
+        # the overlap of async scheduling (engine/policy.py), so most steps would be launched alone.
         num_kv_blocks=concurrency * ((64 + 100 + steps + 16) // 16 + 2),
     )
     engine = llm.engine
@@ -65,7 +65,7 @@ def host_ms(
         planner, regime_choose = engine.planner, engine.planner.regime.choose
         planner.regime.choose = lambda n, model_says: regime_choose(n, False) and False  # type: ignore[method-assign]
     elif engine.planner is not None:
-        # The regime asks the cost model as on the H200 at a level that never measured drafting: the verdict computed
+        # The regime asks the cost model as at a level that never measured drafting: the verdict computed
         # (reused for PREDICTED_PLAIN_REUSE steps at the same request count; the stub's count moves during its ramp,
         # so more often there), turned into "plain, drafting 10x slower" so that the stub never drafts.
         assert engine.planner.cost is not None
@@ -79,8 +79,8 @@ def host_ms(
         planner_module.drafting_verdict = verdict  # type: ignore[assignment]
 
     def stub(sched: mr.SchedulerOutput, previous: mr.Launched | None = None) -> mr.Launched:
-        # the runner's host work as it was before eecd3f3 and f8c42bb cut it (input lists and sampling lists request by
-        # request, every step); one token per sampling request. NOTE: --real-runner times the runner's own work.
+        # a naive runner's host work (input lists and sampling lists request by request, every step); one token per
+        # sampling request. --real-runner times the runner's own work.
         ids: list[int] = []
         for s in sched.scheduled:
             req = s.request
@@ -115,7 +115,7 @@ def host_ms(
         runner.model.compute_logits = lambda h, invariant=None: torch.zeros(h.shape[0], 8)  # type: ignore[method-assign]
         if runner.drafter is not None:  # --spec: the drafter's context write is device work (a matmul), stubbed too
             runner.drafter.extend_context = lambda taps, positions, slots: None  # type: ignore[method-assign]
-        # NOTE: the stubs sample token 0, a special token that decodes to nothing: a streamed request's detokenizer
+        # The stubs sample token 0, a special token that decodes to nothing: a streamed request's detokenizer
         # would never emit text, and its window would grow every step. Every request samples an ordinary text token
         # instead (ids 1000-1499 in turn, one a step): an in-place add on the step's [n] tokens.
         launch, num_launched = runner.launch, [0]
@@ -143,8 +143,8 @@ def host_ms(
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    # NOTE: the median step, not the mean: on the shared 2-vCPU machine stolen time comes in bursts that moved a run's
-    # mean by up to 2x between runs of the same tree.
+    # The median step, not the mean: on a shared host stolen time comes in bursts that move the mean between runs of
+    # the same tree.
     return statistics.median(times) * 1e3
 
 

@@ -26,7 +26,7 @@ K = 7
 
 
 def _cost() -> CostModel:
-    # ~H200 SmolLM2-like: a flat 1.4 ms step up to 512 tokens, then linear; the drafter pass ~1 ms
+    # A SmolLM2-like GPU profile: a flat 1.4 ms step up to 512 tokens, then linear; the drafter pass ~1 ms
     verify = {1: 1.4, 512: 1.5, 2048: 3.0, 8192: 9.0}
     draft = {1: 1.0, 1024: 3.0}
     return CostModel.from_points(verify, draft, capture_limit=512)

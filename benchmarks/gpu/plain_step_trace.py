@@ -65,8 +65,7 @@ def trace(
         torch.cuda.synchronize()
     events = prof.key_averages()
     # NOTE: kernels only: a CPU op's self device time is the time of the kernels it launched, which appear as events
-    # of their own. Summed over every event (results 2026-11-30-4a166c4), eager kernels counted twice: 2.23 ms a step
-    # for 1.74.
+    # of their own, so summed over every event eager kernels would count twice.
     device_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / steps
     print(
         f"== {name} C={concurrency} T={temperature:g}: {wall:.2f} ms/step wall (unprofiled), "

@@ -2,10 +2,8 @@
 
     python benchmarks/gpu/prefill_profile.py --device cuda --concurrency 1 16 --repeats 20
 
-On the H200 (benchmarks/results/h200/gpu-path/2026-11-30-6e5334e) adaptive's prefill steps took 11-16 ms more than
-no-spec's in a sweep. The next runs (benchmarks/results/h200/gpu-path/2026-11-30-3d0913e) found that gap to be host
-contention: with nothing else on the host, this script and --sweep-like put adaptive ~1 ms above no-spec (the
-drafter's eager context write).
+It tells a gap between adaptive's and no-spec's prefill steps that the engine causes (the drafter's eager context
+write) from one that host contention causes in a sweep. Its runs are in benchmarks/results/h200/gpu-path/.
 
 Each repeat adds C prompts to an idle engine, times the step that prefills them (every phase wrapped), and runs them
 to the end (32 tokens: the next prefill follows a decode run, as in a sweep row). A phase's time includes what it
@@ -49,7 +47,7 @@ def trace_step(
 ) -> None:
     """One more prefill step under torch.profiler: the host ops and device kernels that take its time. Prompts from
     `first` on, past those the repeats used: a prompt seen before hits the prefix cache, and its "prefill" is a
-    one-token graph replay (the first trace of 2026-11-30-3d0913e was one)."""
+    one-token graph replay."""
     for i in range(concurrency):
         engine.add_request(prompts[(first + i) % len(prompts)], params)
     torch.cuda.synchronize()

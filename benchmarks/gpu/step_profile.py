@@ -39,8 +39,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # adaptive verification on every step: the regime held to drafting, so that each step plans (budget choice and
     # allocation, phase planner.plan) where the measured regime would run plain steps
     "adaptive-drafting": {"method": "dspark", "num_speculative_tokens": 7},
-    # the regime held plain: what an adaptive engine's plain step costs beside a no-spec one (on the H200 at T = 1,
-    # C = 256, +0.27 ms of host time a step, plain_step_trace.py in 2026-11-30-4a166c4)
+    # the regime held plain: what an adaptive engine's plain step costs beside a no-spec one
     "adaptive-plain": {"method": "dspark", "num_speculative_tokens": 7},
 }
 
@@ -72,10 +71,9 @@ def profile(
 ) -> dict[str, Any]:
     # A fixed KV cache: engines built one after another in one process must not size it from memory still held. It
     # holds every request's whole life (prompt, steps * 8 + 64 tokens, the drafter's lookahead) with room to spare.
-    # NOTE: the sweep's settings (bench sweep: 8192 batched tokens, final_only outputs). The profile of
-    # 2026-11-30-3d0913e ran with the default 2048 tokens, which let only 256 drafting requests (8 tokens each) into a
-    # step at C = 1024, and streamed outputs, whose per-request objects were most of a no-spec step's host time at
-    # C = 1024 (17 of 27 ms).
+    # The sweep's settings (bench sweep: 8192 batched tokens, final_only outputs): the default 2048 tokens would
+    # let only 256 drafting requests (8 tokens each) into a step at C = 1024, and streamed outputs' per-request objects
+    # would dominate a no-spec step's host time.
     llm = LLM(
         device=device,
         max_num_seqs=max(concurrency, 16),
@@ -141,7 +139,7 @@ def profile(
         for fn in ("plan", "prepare", "record", "should_draft", "observe", "step_started", "step_finished"):
             wrap(engine.planner, fn, f"planner.{fn}", acc)
         # inside plan: the budget choice and the allocation (kernel, copy and wait), the goal's "under 2% of a step".
-        # NOTE: plan.choose_budget counts the choices made in prepare() too (while the drafting pass runs).
+        # plan.choose_budget counts the choices made in prepare() too (while the drafting pass runs).
         for fn in PLAN_PARTS:
             wrap(planner_module, fn, f"plan.{fn}", acc)
     if device == "cuda":
@@ -190,8 +188,7 @@ def profile(
     row["num_running"] = len(engine.scheduler.running)
     row["max_num_batched_tokens"], row["output_kind"] = max_num_batched_tokens, output_kind
     row["eager_steps"] = dict(eager)
-    # the spread too: a few slow steps (not the median) were adaptive's whole loss at T = 1, C >= 256 in the runs of
-    # 2026-12-01-ba2d49f
+    # the spread too: a few slow steps, which the median hides, can be all of a configuration's loss
     row["steps_by_kind"] = {
         k: {
             "count": len(v),

@@ -80,7 +80,7 @@ class KVCacheManager:
         total = req.num_computed_tokens + len(prefix_blocks) * self.block_size + num_new_tokens + lookahead
         num_new_blocks = self.blocks_needed(total) - len(req.block_ids) - len(prefix_blocks)
         if num_new_blocks <= 0 and not prefix_blocks and req.num_computed_tokens:
-            # NOTE: a running request whose blocks already hold the step: most calls (every request, every decode
+            # A running request whose blocks already hold the step: most calls (every request, every decode
             # step; a new block every block_size tokens). The general path below then changes nothing.
             return True
         reusable = sum(1 for b in prefix_blocks if self.ref_count[b] == 0)
@@ -113,9 +113,9 @@ class KVCacheManager:
         """allocate(r, num_new_tokens, lookahead=lookahead) for running requests in turn, stopping at the first that
         does not fit (False; those before it keep their blocks, as with allocate called one by one).
 
-        NOTE: a continued decode step's allocation, every request, every step: most hold their next tokens already
-        (a new block every block_size tokens), and that is checked here inline, not by a call per request (at
-        C = 1024 those calls were about half of the engine's _continuation under cProfile, 2-vCPU machine)."""
+        A continued decode step's allocation, every request, every step: most hold their next tokens already (a new
+        block every block_size tokens), and that is checked here inline, not by a call per request, whose overhead
+        would dominate the engine's continuation at high load."""
         bs = self.block_size
         for r in reqs:
             if r.num_computed_tokens + num_new_tokens + lookahead > len(r.block_ids) * bs and not self.allocate(
@@ -131,7 +131,7 @@ class KVCacheManager:
         bs = self.block_size
         if req.num_computed_tokens < (len(req.block_hashes) + 1) * bs:
             return  # no block filled since the last call: most calls (a decode step fills one every block_size steps)
-        # NOTE: a stop inside accepted drafts leaves num_computed_tokens past the tokens the request kept.
+        # A stop inside accepted drafts leaves num_computed_tokens past the tokens the request kept.
         num_full = min(min(req.num_computed_tokens, req.num_tokens) // bs, len(req.block_ids))
         tokens = req.all_token_ids
         while len(req.block_hashes) < num_full:
@@ -146,8 +146,8 @@ class KVCacheManager:
 
     def cache_computed_blocks_of(self, reqs: list[Request]) -> None:
         """cache_computed_blocks for each request, called only for those that filled a block since their last call
-        (every block_size decode steps: at C = 1024 a call per request and step was ~7% of a continued step's host
-        work under cProfile, 2-vCPU machine)."""
+        (every block_size decode steps): a call per request and step would be a visible share of a continued step's
+        host work."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size

@@ -21,7 +21,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        # NOTE: _value_, not value: Enum.value is a descriptor call, and this is read a few times per request and step
+        # _value_, not value: Enum.value is a descriptor call, and this is read a few times per request and step
         return self._value_ in ("stop", "length", "abort", "error")
 
 
@@ -67,7 +67,7 @@ class Request:
         self.ends_on = frozenset((*eos, *p.stop_token_ids))
         self.end_at = len(self.prompt_token_ids) + p.max_tokens if p.max_tokens is not None else 1 << 62
         self.streams = p.output_kind != "final_only" or bool(p.stop) or p.logprobs is not None
-        # NOTE: a request that may have a stop token banned (min_tokens) takes the general path for good, even once
+        # A request that may have a stop token banned (min_tokens) takes the general path for good, even once
         # min_tokens are out: it gives the same tokens, and the fast paths never have to check.
         if p.has_penalties or (p.min_tokens > 0 and self.ends_on):
             self.sampling_path = "general"

@@ -41,7 +41,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     # Async scheduling: every request continues from the step launched before this one, feeding one token (built by
-    # the engine's _continuation, whose checks of that step's requests then hold for this one's, a subset of them).
+    # StepPolicy.next_step, whose checks of that step's requests then hold for this one's, a subset of them).
     continued: bool = False
     # A pipelined speculative step (continued): (drafts to verify in all, whether to draft the next block). Its tokens,
     # positions and drafts live on the device (worker/spec_pipeline.py).

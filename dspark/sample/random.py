@@ -83,8 +83,8 @@ def _mix_seeds_t(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
 def uniforms_t(seeds: torch.Tensor, counters: torch.Tensor, stream: int = SAMPLE_STREAM) -> torch.Tensor:
     """uniforms() computed where the tensors are (int64 seeds and counters of any shape -> float64, the same bits), so
     that a step whose counters exist only on the device (a request's output length after a verification the host has
-    not read yet) can draw without the host. NOTE: not used by the engine yet: it is the first piece of a pipelined
-    speculative step."""
+    not read yet) can draw without the host: pipelined speculative steps (worker/spec_pipeline.py,
+    rejection.verify_on_device) draw with it."""
     seed = seeds.to(torch.int64)
     if stream:
         seed = _mix_seeds_t(seed ^ _signed(_STREAM_SALT), torch.full_like(seed, stream))
@@ -114,7 +114,7 @@ def inverse_cdf_rows(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = torch.cumsum(p.double(), dim=-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     idx = idx.clamp_(max=p.shape[-1] - 1)
-    # NOTE: as in inverse_cdf, a rounding step onto a zero-probability token falls back to the last positive one.
+    # As in inverse_cdf, a rounding step onto a zero-probability token falls back to the last positive one.
     last_positive = p.shape[-1] - 1 - (p.flip(-1) > 0).int().argmax(-1)
     bad = p.gather(1, idx[:, None]).squeeze(1) <= 0
     return torch.where(bad, last_positive, idx)

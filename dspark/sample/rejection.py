@@ -14,7 +14,7 @@ When all l drafts are accepted, the bonus token is sampled from p_{l+1} as the p
 
 Randomness is counter-based (sample/random.py): output position n of a request uses uniform(seed, n) for sampling,
 and separate streams for the acceptance test and the residual draw, so results do not depend on the batch.
-Whether a draft is verified at all must not depend on its value (the scheduler's job, DESIGN.md section 4).
+Whether a draft is verified at all must not depend on its value (the scheduler's job, docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def verify(
     num_drafts = sum(len(r.draft_tokens) for r in rows)
     if draft_probs is not None and method == "probabilistic" and draft_probs.shape[0] != num_drafts:
         raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows, the drafts need {num_drafts}")
-    # NOTE: everything a row's decisions read is computed up front in batched kernels and reaches the host in one
+    # Everything a row's decisions read is computed up front in batched kernels and reaches the host in one
     # copy: the argmax of every row, the token plain sampling would draw at every row (strict verification and the
     # bonus), and p(x), q(x) of every draft. Only the residual draws of rejected drafts need a second copy.
     t_index, d_index, tokens, seeds, counters = [], [], [], [], []
@@ -191,7 +191,7 @@ def verify_plain(
     seeds = [r.seed for r in rows]
     firsts = [r.first_counter for r in rows]
     # Everything the device needs in two copies (one int64, one fp32), sliced there, not a dozen uploads (each its own
-    # pinned staging copy and transfer: a fixed host cost that matters most at C = 1).
+    # pinned staging copy and transfer: a fixed host cost that matters most for small batches).
     ints = _Packed([t_start, lens, drafts, greedy, seeds, firsts, d_index, owner, offset], np.int64)
     dev = logits.device
     ints_dev = ints.upload(dev)

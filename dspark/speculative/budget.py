@@ -1,4 +1,4 @@
-"""Confidence-scheduled verification: how many drafts the target verifies this step, and whose (DESIGN.md section 4).
+"""Confidence-scheduled verification: how many drafts the target verifies this step, and whose (docs/scheduling.md).
 
 - survival a_rj = prod_{i<=j} c_ri: the chance that request r's draft j survives, from calibrated confidences; never
   increasing along j. Verifying l_r drafts yields 1 + sum_{j<=l_r} a_rj tokens in expectation (the bonus always
@@ -59,9 +59,8 @@ def choose_budget(
 def _choose_budget_arrays(
     survival: torch.Tensor, num_sampling: int, num_other_tokens: int, cost: CostModel, context_tokens: int | None
 ) -> int:
-    """choose_budget in numpy (the cost curve in torch, on a view of the same memory): at R = 1024, K = 7 torch's sort
-    alone took 0.40 ms on the 2-vCPU machine against numpy's 0.17, and the whole choice 0.84 ms (planner_host.py).
-    The same sums in the same order as the float path."""
+    """choose_budget in numpy (the cost curve in torch, on a view of the same memory): on the host numpy's sort and
+    sums cost less than torch's per-op overhead. The same sums in the same order as the float path."""
     values = survival.detach().to("cpu", torch.float64).numpy().ravel()
     top = -np.sort(-values[values > 0])  # descending
     gains = np.concatenate([np.zeros(1), np.cumsum(top)]) + num_sampling
@@ -77,7 +76,7 @@ def _choose_budget_floats(
     survival: torch.Tensor, num_sampling: int, num_other_tokens: int, cost: CostModel, context_tokens: int | None
 ) -> int:
     """choose_budget in plain floats, the same sums in the same order: for a few requests a dozen tensor ops cost
-    more than the arithmetic (at C = 1 on the H200 the whole plan() took 0.9 ms, benchmarks/gpu/step_profile.py)."""
+    more than the arithmetic."""
     top = sorted((v for v in survival.flatten().tolist() if v > 0), reverse=True)
     best, best_rate, gain = 0, -1.0, float(num_sampling)
     for budget in range(len(top) + 1):

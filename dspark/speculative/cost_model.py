@@ -1,5 +1,5 @@
 """Step-cost curves: how many milliseconds a target step of n tokens (verify_ms) and a draft step for r requests
-(draft_ms) take on this machine, from profiled points (DESIGN.md section 5).
+(draft_ms) take on this machine, from profiled points (docs/scheduling.md, "The cost model").
 
 - At or below the CUDA-graph capture limit a step is padded up to the next captured size, so the curve is a step
   function: the cost of the smallest profiled size >= n.
@@ -27,8 +27,8 @@ import torch
 def isotonic(values: list[float]) -> list[float]:
     """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators).
 
-    NOTE: not a running maximum, which would turn one slow profiling run (a GC pause, a clock dip) into a cliff that
-    every larger size inherits; pooling averages the outlier with its neighbours instead."""
+    Not a running maximum, which would turn one slow profiling run (a GC pause, a clock dip) into a cliff that every
+    larger size inherits; pooling averages the outlier with its neighbours instead."""
     blocks: list[list[float]] = []  # [sum, count]
     for v in values:
         blocks.append([float(v), 1.0])
@@ -61,9 +61,8 @@ class CostCurve:
         Monotone in n: the times are isotonic, interpolation between them never decreases, and the step
         part ends at a profiled size, where the linear part starts from the same value.
 
-        NOTE: numpy on the host (the same float64 operations in the same order as `at`): the budget choice evaluates it
-        for every candidate budget, 7169 of them at R = 1024, K = 7, where torch's per-op overhead made it 0.23 ms on
-        the 2-vCPU machine."""
+        Numpy on the host (the same float64 operations in the same order as `at`): the budget choice evaluates it
+        for every candidate budget, R * K + 1 of them, where torch's per-op overhead would dominate."""
         sizes = np.asarray(self.sizes, dtype=np.float64)
         ms = np.asarray(self.monotone_ms, dtype=np.float64)
         x = n.detach().cpu().numpy().astype(np.float64)
@@ -175,7 +174,8 @@ class CostModel:
 
 # A step measured slower than this multiple of its refined prediction is learned from only if the regime's previous
 # step was such an outlier too: a one-off stall (a kernel compiling, a GC pause) says nothing about the next step, a
-# regime that really costs that much says it twice (a T = 1 drafting step cost 4-7x its profile on the H200).
+# regime that really costs that much says it twice (a drafting step at temperature 1 can cost several times its
+# profile).
 OUTLIER_RATIO = 5.0
 SURPRISE = 0.25  # a speculative step measured this far (relative) from its refined prediction moves the verdicts
 SPEC_LOADS = 8  # recent speculative steps whose request counts say at which loads drafting's cost was measured
@@ -213,11 +213,10 @@ class RefinedCostModel(CostModel):
     exponentially weighted least squares, separately for speculative steps (they drafted, after verifying or not) and
     plain ones (neither verified nor drafted), and added to each regime's predictions.
 
-    NOTE: one residual for both regimes leaned the model towards drafting exactly where drafting costs most: adding the
-    same milliseconds to both sides of "does drafting pay" shrinks their ratio. On the H200 at T = 1, C = 256, a
-    drafting step took 9-18 ms against a 2.4 ms plain step (session 5, sampler-t1.json), where the profile saw a few
-    milliseconds more than plain; the model kept saying draft, and each new load level of a sweep row's ramp drafted
-    (0.85x of no-spec). Until a speculative step has been measured its residual is the plain one's.
+    NOTE: two residuals, not one: adding the same milliseconds to both sides of "does drafting pay" shrinks their
+    ratio, which would lean the model towards drafting exactly where drafting costs most (high load, where a drafting
+    step's host work is several times what the profile saw). Until a speculative step has been measured its residual
+    is the plain one's.
 
     The speculative residual is measured at some loads and extrapolated to others. `measured_at_or_below` says whether
     a recent speculative step ran at this load or a lower one: then the prediction errs towards drafting being cheaper

@@ -14,10 +14,10 @@ Each step:
 3. `record` (after verifying): per-position outcomes feed the conditional acceptance rates, the calibration monitor
    (predicted vs realised accepted drafts, ECE of the survivals of verified slots) and the trace.
 
-Losslessness (DESIGN.md section 4): a draft's confidence depends only on the drafts before it (the DSpark head reads
-the previous token; the n-gram strata are fixed before drafting and the drafts are deterministic), the budget is
-fixed before the live values are seen (async) or grows only while the rate improves (sync), and allocation breaks
-ties by position, so whether a draft is verified never depends on its own value.
+Losslessness (docs/scheduling.md, "Stale and live survivals"): a draft's confidence depends only on the drafts before
+it (the DSpark head reads the previous token; the n-gram strata are fixed before drafting and the drafts are
+deterministic), the budget is fixed before the live values are seen (async) or grows only while the rate improves
+(sync), and allocation breaks ties by position, so whether a draft is verified never depends on its own value.
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ from dspark.utils.transfer import download, upload, upload_tensor
 MIN_CONFIDENCE = 1e-4  # a held draft keeps a positive survival: 0 means "no draft here" to allocate
 PAYS_REUSE = 8  # steps a "does drafting pay" answer is reused for at the same number of requests
 # ... and a plain answer priced with measured drafting costs (regime.Verdict with predictions): the level it is asked
-# for follows it without exploring for many steps. One verdict took ~0.2 ms at R = 256 on the 2-vCPU machine (cProfile
-# of benchmarks/host_step.py --spec --model-verdict: 109 calls, 22.6 ms), ~0.03 ms a plain step when recomputed every 8.
+# for follows it without exploring for many steps, so its host tensor work need not be redone every PAYS_REUSE steps.
 PREDICTED_PLAIN_REUSE = 64
 
 
@@ -75,8 +74,7 @@ class _Copy:
 def _counts_without_live_values(caps: list[int], budget: int) -> list[int] | None:
     """The allocation where it cannot depend on the live survivals: nothing verified, everything verified, or one
     request (survivals never rise along a block and ties go to the earlier slot, so its top slots are its first
-    ones). None otherwise. NOTE: at C = 1 on the H200 the allocation's kernel, copies and wait were 0.9 ms of a
-    5.2 ms adaptive drafting step (benchmarks/gpu/step_profile.py)."""
+    ones). None otherwise. These cases skip the allocation's kernel, copies and wait, a large share of a small step."""
     if budget <= 0:
         return [0] * len(caps)
     if len(caps) == 1 or budget >= sum(caps):
@@ -103,8 +101,7 @@ class VerificationPlanner:
             allocate(torch.ones(2, num_spec_tokens, device=device), 1, torch.ones(2, dtype=torch.int64, device=device))
         self.device = device
         # Per-request state lives in rows of persistent tables, so that a step's bookkeeping is a few gathers and
-        # scatters over all its requests: with a tensor per request a drafting step's bookkeeping took 8.9 ms at
-        # R = 256, now 1.6 ms (benchmarks/planner_host.py, CPU).
+        # scatters over all its requests, not a loop of small tensor ops per request.
         self._slot: dict[str, int] = {}  # request id -> its row
         self._free: list[int] = []
         self._smoothed = torch.zeros(0, num_spec_tokens, device=device)  # [N, K] smoothed confidences
@@ -116,8 +113,7 @@ class VerificationPlanner:
         self._stratum: dict[str, int] = {}
         self._copies: deque[_Copy] = deque()
         # request id -> (the copy of its pending drafts' survivals and confidences, its row there): what record() reads
-        # on the host, with no copy or device op of its own (on the H200 its gathers, copy and wait took 0.54 ms of a
-        # fixed-7 step at C = 1 in session 3, and record() 0.12-0.15 ms with this: benchmarks/gpu/step_profile.py)
+        # on the host, with no copy or device op of its own: gathers, a copy and a wait would cost a small step dearly.
         self._published: dict[str, tuple[_Copy, int]] = {}
         self._generation = np.zeros(0, dtype=np.int64)  # [N] times each row was released
         self._prior = initial_prior(num_spec_tokens)  # survivals assumed before any are seen
@@ -153,7 +149,7 @@ class VerificationPlanner:
     def _rows(self, request_ids: list[str]) -> list[int]:
         """The requests' table rows; a request seen for the first time gets a free one (the tables grow by doubling)."""
         get = self._slot.get
-        slots = [get(rid) for rid in request_ids]  # NOTE: the usual case, every request known: one cheap pass
+        slots = [get(rid) for rid in request_ids]  # the usual case, every request known: one cheap pass
         if None not in slots:
             return slots  # type: ignore[return-value]
         for i, rid in enumerate(request_ids):
@@ -200,8 +196,8 @@ class VerificationPlanner:
         packed = upload(slots + num_drafts, torch.int64, current.device)  # one pinned copy, not two
         index = packed[: len(slots)]
         held = torch.arange(k, device=current.device)[None, :] < packed[len(slots) :, None]
-        # NOTE: learned rates are already averages over many blocks: smoothing them again only mixes in a stale
-        # stratum (measured: alpha 0 predicts n-gram acceptance best at every batch size, README).
+        # Learned rates are already averages over many blocks: smoothing them again only mixes in a stale stratum
+        # (alpha 0 predicts n-gram acceptance best at every batch size).
         has = [rid in self._history for rid in request_ids]
         if confidences is not None and self.alpha > 0 and any(has):
             prev = self._smoothed[index]
@@ -222,7 +218,7 @@ class VerificationPlanner:
 
     def _publish(self, slots: list[int], both: torch.Tensor) -> _Copy:
         if not self.adaptive:
-            # NOTE: nothing harvests the copies in fixed mode (there is no budget to choose); they used to pile up,
+            # Nothing harvests the copies in fixed mode (there is no budget to choose): kept, they would pile up,
             # [R, 2K] of pinned memory a step, for as long as the engine ran. record() keeps its own references.
             self._copies.clear()
         if both.is_cuda:
@@ -239,8 +235,8 @@ class VerificationPlanner:
     def _harvest(self, newest_too: bool = False) -> int:
         """Take in the copies older than the newest one (with newest_too, the newest as well) whose transfer has
         finished (never waits); how many were taken. Taking any voids a prepared budget."""
-        # NOTE: host arrays in numpy (views of the tables' memory): with torch ops the harvests of a drafting step
-        # took 0.43 ms at R = 1024 on the 2-vCPU machine, against 2.9 ms for all of plan() (benchmarks/planner_host.py).
+        # Host arrays in numpy (views of the tables' memory): torch ops on small host arrays cost several times more,
+        # on the critical path of a drafting step.
         taken = 0
         keep = 0 if newest_too else 1
         while len(self._copies) > keep and (self._copies[0].event is None or self._copies[0].event.query()):
@@ -279,25 +275,23 @@ class VerificationPlanner:
         cost = self.cost
         self._harvest()
         # The last drafting step's time, when it has completed: the verdict after a level's first drafting step then
-        # knows what that step cost (without this it was learned a step later, after one more drafting step).
+        # knows what that step cost, not a step later, after one more drafting step.
         self.timing.harvest(cost, self.regime)
         n = len(request_ids)
 
         def model_says() -> Verdict:
-            # NOTE: the cost model's answer moves slowly (stale survivals, the load); recomputed every few steps at a
-            # load, it costs ~1% of a small step instead of ~30% (host tensor work on [R, K]). The regime asks only
-            # when its measurements leave the choice open. A speculative step that the refined model mispredicted
+            # The cost model's answer moves slowly (stale survivals, the load), and its host tensor work on [R, K] is
+            # dear beside a small step: recomputed every few steps at a load, asked only when the regime's
+            # measurements leave the choice open. A speculative step that the refined model mispredicted
             # (its first one, say) voids the cached answers: they priced drafting wrong.
             cached = self._pays_cache.get(n)
             if cached is None or cached[1] <= 0 or cached[2] != cost.num_surprises:
                 verdict = drafting_verdict(self._stale_rows(self._rows(request_ids)), n, cost)
                 # NOTE: the predictions count only where drafting's cost was measured at this load or a lower one
                 # (else the profile's guess, or a cost measured at a higher load: a load that drops after a busy spell
-                # would take the residual of its busy steps, and not explore drafting where it pays).
-                # NOTE: a drafting verdict there is still adopted (the regime then explores plain steps in bursts
-                # and measured rates decide). Session 7 tried plain instead, with drafting explored in bursts
-                # (5516a56: a fresh H200 engine's first T = 1 row drafted 1-9 steps a round at C = 256, of 10-28 ms
-                # against 2.7 ms plain ones). It was reverted untried on the GPU; see that session's results README.
+                # would take the residual of its busy steps, and not explore drafting where it pays). A drafting
+                # verdict there is still adopted: the regime then explores plain steps (cheap) in bursts and measured
+                # rates decide.
                 if not cost.measured_at_or_below(n):
                     verdict = Verdict(verdict.draft)
                 reuse = PREDICTED_PLAIN_REUSE if verdict.rate is not None and not verdict.draft else PAYS_REUSE
@@ -313,8 +307,8 @@ class VerificationPlanner:
 
     def plan(self, sched: SchedulerOutput) -> None:
         """Cut each scheduled request's drafts to the number it verifies this step (adaptive modes)."""
-        # NOTE: one pass over the requests here and one at the end: at R = 1024 each pass costs 40-100 us of host time,
-        # on the critical path of a drafting step (the device is idle while the host plans).
+        # One pass over the requests here and one at the end: this runs on the critical path of a drafting step (the
+        # device is idle while the host plans).
         items, caps, ids = [], [], []
         num_sampling = 0
         for s in sched.scheduled:
@@ -416,11 +410,10 @@ class VerificationPlanner:
         tokens). plan() uses it if that is the step it gets and no newer survivals arrived meanwhile; else it chooses
         again. Either way the budget reads only survivals of drafts already verified, never the ones being drafted.
 
-        NOTE: every copy whose transfer has finished is taken in here, the newest too: plan() would take the same ones
-        (it takes all but the newest, and the drafts being drafted now publish a newer one), so both choose from the
-        same rows. The refined cost model is read as it is now, without the timing of the step that is drafting (one
-        step of an average with decay 0.98). At R = 1024 on the 2-vCPU machine the choice and its harvest were ~0.7
-        of plan()'s 1.9 ms."""
+        Every copy whose transfer has finished is taken in here, the newest too: plan() would take the same ones (it
+        takes all but the newest, and the drafts being drafted now publish a newer one), so both choose from the same
+        rows. The refined cost model is read as it is now, without the timing of the step that is drafting (one step
+        of an average with decay 0.98). Choosing here takes most of plan()'s host work off the critical path."""
         self._prepared = None
         if self.mode != "async" or not request_ids:
             return
@@ -451,9 +444,8 @@ class VerificationPlanner:
             host_t = np.stack([c.host.numpy()[i] for c, i in held]).astype(np.float64)
         k = self.k
         positions = np.arange(k)
-        # Every request's outcome at once, in numpy: a per-request loop of small tensor ops cost ~70 us a request (H200
-        # host), and with torch ops on these small arrays record() took 98-100 us at R = 1 against 36-37 us now
-        # (benchmarks/planner_host.py on the 2-vCPU machine, bd523c8 and this alternating, two runs each).
+        # Every request's outcome at once, in numpy: a per-request loop of small tensor ops, or torch ops on these
+        # small arrays, cost several times the host time.
         strata = np.array([self._stratum.get(rid, 0) for rid, _, _ in known], dtype=np.int64)
         verified = np.array([v for _, v, _ in known], dtype=np.int64)[:, None]
         accepted = np.array([a for _, _, a in known], dtype=np.int64)[:, None]

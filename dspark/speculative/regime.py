@@ -1,40 +1,31 @@
 """Whether to speculate at all, checked against measurement: the drafting and the plain regime's tokens per millisecond,
 learned online per load level.
 
-The cost model predicts a step from profiled dummy steps; a real step also pays what the profile cannot see (per-request
-host work that differs between verifying and plain sampling, real contexts, other processes). Where the model says
-drafting pays but plain steps are in fact faster (or the reverse), the engine should follow the measurement. Each load
-level (requests emitting a token, in powers of two) keeps an exponential average of tokens/ms for steady steps of each
-regime: "spec" steps verified drafts and drafted again, "plain" steps did neither (a step that switches regime is
-neither). A level's plain rate is never taken below the plain rate one level down (more requests a plain step do not
-make fewer tokens a millisecond): a guard against a plain rate pulled down by steps a stalled host slowed, at a level
-that no longer runs plain steps to correct it. Once both are known the faster wins; on a near tie (within 3%) the engine
-stays in the regime it is in, without asking the model: the model cannot see a drafting step's host work and leans to
-drafting, and on the H200, levels a sweep row's ramp and tail pass through measured near ties on a few steps (level 8 of
-a C = 256 row: 20.7 against 21.5 tokens/ms), where the old rule left the choice to the model (that it then drafted there
-is inferred from the rows' rates and drafting counts; per-step choices were not recorded). Until both are known, and
-between measurements, the model decides, except that a level not measured yet starts from its nearest measured
-neighbour's verdict where that transfers (plain measured faster at a lower load, or drafting at a higher one), and
-explores the other regime no sooner than that neighbour would (below). Every so often the other regime runs for a short
-burst to keep its figure fresh. The first burst comes after FIRST_PERIOD steps, so that a new level learns both rates in
-a handful of steps: on the H200 the model's first choice at a new load level was to draft (it cannot see a drafting
-step's host work) and, with a first period of 8, a 256-step sweep row spent 7-10 steps drafting, each 2.5-4x a plain
-step. Then the bursts thin out (each gap doubles the last) and, once both rates are known, they are also spaced by what
-the slower regime costs: a burst may cost at most EXPLORE_SHARE of the time between bursts. The cost is counted in time,
-not steps: a slower regime's step can last several of the faster one's, and each of its milliseconds loses (1 - slow
-rate / fast rate) of what the faster regime would have made.
+The cost model predicts a step from profiled dummy steps and cannot see what a real step also pays (per-request host
+work that differs between verifying and plain sampling, real contexts, other processes), so where measurement
+disagrees with the model the engine follows the measurement. Each load level (requests emitting a token, in powers of
+two) keeps an exponential average of tokens/ms and ms/step for steady steps of each regime: "spec" steps verified
+drafts and drafted again, "plain" steps did neither (a step that switches regime is neither). A level's plain rate is
+never taken below the plain rate one level down: a guard against a plain rate pulled down by a stalled host, at a
+level that no longer runs plain steps to correct it.
 
-A level that follows the model because it has measured nothing yet explores drafting after FIRST_PERIOD steps,
-except where the model's plain verdict comes with predicted costs (a Verdict with rates): the first burst is then
-spaced as measured rates would space it. The planner gives predictions only where speculative steps were measured at
-this load or a lower one, so that the model's drafting cost comes from measurement and, drafting only getting dearer
-with load, errs low. NOTE: on the H200 at T = 1 a sweep row's ramp from 64 to 256 requests crossed three load levels
-in a few steps each; each level explored drafting early, 10 drafting steps of 9-18 ms against 2.4 ms plain ones,
-0.85x of no-spec (session 5). The asymmetry is deliberate: the model's error leans to drafting (it cannot see a
-drafting step's host work), so a model that says plain while it knows drafting's measured cost is the trustworthy
-side, and a drafting verdict still explores plain steps (cheap) early.
+Once both rates are known the faster wins; on a near tie (within MARGIN) the engine stays in the regime it is in
+rather than ask the model, which cannot see a drafting step's host work and leans to drafting. Until both are known
+the model decides, except that a level not measured yet starts from its nearest measured neighbour's verdict where
+that transfers (plain measured faster at a lower load, or drafting at a higher one) and explores no sooner than that
+neighbour would.
 
-The choice reads only past measurements and the load, never a draft, so verification stays lossless.
+Every so often the other regime runs for a burst of BURST steps to keep its figure fresh. The first burst comes after
+FIRST_PERIOD steps, so that a new level learns both rates in a handful of steps; then each gap doubles the last, and
+once both rates are known a burst may cost at most EXPLORE_SHARE of the time between bursts. That cost is counted in
+time, not steps: each millisecond of the slower regime loses (1 - slow rate / fast rate) of what the faster would have
+made. A level with nothing measured whose model verdict is plain with predicted costs (a Verdict with rates) spaces its
+first burst as those predictions would; the planner gives them only where drafting's cost was measured at this load or
+a lower one, so that they err towards drafting being cheap. The asymmetry is deliberate: a plain verdict that knows
+drafting's measured cost is the trustworthy side, and a drafting verdict still explores plain steps (cheap) early.
+
+The choice reads only past measurements and the load, never a draft, so verification stays lossless. See
+docs/scheduling.md, "Whether to draft at all".
 """
 
 from __future__ import annotations
@@ -76,7 +67,7 @@ class RegimeChooser:
         self.num_explorations = 0
         self._current: bool | None = None  # the regime last chosen outside a burst
         self.num_chosen: dict[int, dict[str, int]] = {}  # level -> {"spec": steps that drafted, "plain": ...}
-        # NOTE: a diagnostic, not a policy: when set, every choice is this regime and nothing is explored (bench sweep's
+        # A diagnostic, not a policy: when set, every choice is this regime and nothing is explored (bench sweep's
         # adaptive:plain arm prices an adaptive engine's plain steps, the drafter's context kept, beside no-spec's)
         self.held: bool | None = None
 
@@ -86,9 +77,8 @@ class RegimeChooser:
 
     def choose(self, num_requests: int, model_says_draft: bool | Verdict | Callable[[], bool | Verdict]) -> bool:
         """model_says_draft: the cost model's answer, or a function computing it, asked only when the measured rates
-        leave the choice to it (none measured yet and no neighbour's verdict). On the H200 host its tensor ops took
-        20-30 ms a call at R = 512 under torch.profiler (benchmarks/gpu/plain_step_trace.py); asked every 8 plain
-        steps, that was the gap between adaptive's plain steps (7.4 ms) and no-spec's (5.6 ms)."""
+        leave the choice to it (none measured yet and no neighbour's verdict): at high load its tensor ops cost more
+        than a plain step, so a function keeps them off steps the measurements already decide."""
         if self.held is not None:
             return self.held
         level = self.level(num_requests)
@@ -123,10 +113,9 @@ class RegimeChooser:
             own = max(lv.period, self._spacing(lv, rate))
             if lv.since[other] >= max(own, self._inherited_gap(lv, num_requests)):
                 lv.burst, lv.burst_regime = BURST - 1, other
-                # NOTE: doubled from the level's own gap just waited, not from the period alone: once the spacing
-                # exceeds the period, doubling a small period would leave the bursts at the spacing for several more
-                # rounds. On the H200 (session 4) that was ~12 bursts in a 4096-step C = 1 row, ~1% of its time. A
-                # neighbour's gap only delays a level's first burst: after it the level has measured rates of its own.
+                # NOTE: doubled from the gap just waited, not from the period: once the spacing exceeds the period,
+                # doubling a small period would keep the bursts at the spacing for several more rounds. A neighbour's
+                # gap only delays a level's first burst: after it the level has measured rates of its own.
                 lv.period = min(2 * own, MAX_PERIOD)
                 self.num_explorations += 1
                 choice = other
@@ -141,9 +130,8 @@ class RegimeChooser:
         make fewer tokens a millisecond, and a regime a level no longer runs is re-measured only in rare bursts.
         Only the plain rate, and only from the next level down: drafting's rate moves with acceptance (temperature,
         prompts), so a lower load's could keep a level drafting at a loss that no measurement there would undo; a
-        floored plain rate errs at worst to plain steps, no-spec's speed (a review's finding). NOTE: on the H200
-        (session 8) level 7 read plain decoding at 6 tokens/ms (steps that ended requests counted in; fixed since)
-        against 42 at level 6 and drafting's 25, and drafted in every C = 64 row from then on (0.45x of no-spec)."""
+        floored plain rate errs at worst to plain steps, no-spec's speed. Without the floor, one level's plain rate read
+        far too low keeps that level drafting for good, since it rarely runs plain steps to correct it."""
         rate = self.levels[level].rate[False]
         below = self.levels.get(level - 1)
         return max(rate, below.rate[False]) if below is not None and False in below.rate else rate
@@ -152,7 +140,7 @@ class RegimeChooser:
         """For a level not measured yet: plain if a lower load measured plain clearly faster, drafting if a higher load
         measured drafting clearly faster (verification only gets dearer with load), with that neighbour; else None
         (ask the model). A level then starts with the regime its neighbour measured instead of the model's first
-        steps; on the H200 those cost ~8 drafting steps per load level that the model wrongly favoured."""
+        choice, which leans to drafting."""
         for other in sorted(self.levels, key=lambda lvl: abs(lvl - level)):
             rate = self.levels[other].rate
             if other == level or len(rate) < 2:
@@ -166,12 +154,8 @@ class RegimeChooser:
     def _inherited_gap(self, lv: _Level, num_requests: int) -> int:
         """A level that follows its neighbour's verdict (not measured itself yet) explores no sooner than that neighbour
         would next explore (its spacing, or its period if longer): the verdict transfers, and so does the trust its
-        bursts earned. NOTE: on the H200 (session 3, synchronous steps,
-        benchmarks/results/h200/gpu-path/2026-11-30-s3/sync-after-async-commit-t0.json), a new level's first bursts
-        (after 2, then 4 steps) spent 12 of the C = 16 row's 256 steps drafting: 54 ms of its 478. With the neighbour's
-        spacing alone (session 4, benchmarks/results/h200/gpu-path/2026-11-30-s4), one burst still came in each C = 16
-        row: drafting there costs 4.6x a plain step against 2.9x at C = 1 (verification gets dearer with load), ~4% of
-        the row."""
+        bursts earned. The period counts too, not only the spacing: drafting gets dearer with load, so a burst at the
+        new level costs more than the neighbour's spacing allowed for."""
         if len(lv.rate) == 2:
             return 0
         found = self._neighbour(self.level(num_requests))

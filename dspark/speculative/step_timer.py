@@ -23,8 +23,7 @@ if TYPE_CHECKING:
     from dspark.speculative.planner import VerificationPlanner
 
 # CUDA: a plain step is timed only every few steps, except just after steps with drafts (a regime burst's plain steps
-# must be measured). Its two timing events, their query and the bookkeeping took 0.07 ms of a 1.9 ms plain step at
-# C = 16 on the H200 (benchmarks/gpu/step_profile.py: step_started 0.02, step_finished 0.05).
+# must be measured): two timing events, their query and the bookkeeping are a visible share of a small plain step.
 PLAIN_TIMING_EVERY = 4
 TIMED_AFTER_DRAFTS = 4  # plain steps after a step with drafts that are always timed (at least a burst's length)
 
@@ -91,13 +90,12 @@ class StepTiming:
                 a + b for a, b in zip(self.sum_error, (base, abs(base), refined, abs(refined)), strict=True)
             ]
             # NOTE: the speculative residual learns from steps that drafted (after verifying or not): a step that only
-            # verified, leaving a drafting run, has no drafting pass, and averaged in it made the next level's drafting
-            # look cheap again. Such steps teach neither residual.
+            # verified, leaving a drafting run, has no drafting pass, and averaged in it would make drafting look cheap.
+            # Such steps teach neither residual.
             if t.drafted or not t.verified_drafts:
                 cost.observe(t.num_requests, t.base_ms, measured, speculative=t.drafted)
-            # NOTE: a step with a prompt chunk says nothing about either regime's decode rate. Counted as a plain step,
-            # a level's first step (its requests' prefill: 16 tokens in ~15 ms at C = 16 on the H200) made plain
-            # decoding look slower than drafting, and the level then drafted for most of a sweep row.
+            # A step with a prompt chunk says nothing about either regime's decode rate: counted as a plain step, a
+            # level's first step (its requests' prefill) would make plain decoding look slower than drafting.
             if t.decode_only:
                 regime.observe(t.num_requests, t.verified_drafts, t.drafted, t.num_emitted, measured)
 
@@ -148,10 +146,9 @@ class StepTimer:
 
         chain_starts: the next step was launched before this one was collected (async scheduling), so this one is not
         timed; the next is, from now, as continued steps are timed from one another (continued_step_finished).
-        NOTE: without it the first continued step of every pipelined run went unmeasured, and a regime burst of plain
-        steps (a switching step, then two plain ones, the first launched alone) measured none: on the H200 at T = 1
-        a fresh engine's C = 64 row, whose model said draft, found no plain rate at its level for 20 steps and
-        drafted in 25 of them (session 7's t1-check, 0.69x of no-spec).
+        Without it the first continued step of every pipelined run would go unmeasured, and a regime burst of plain
+        steps (a switching step, then two plain ones, the first launched alone) would measure none, leaving a level
+        whose model says draft without a plain rate.
 
         ending_ms: the host time the step spent ending requests (engine._process), not part of either regime's cost.
         wait_ms: the host's wait for the step's outputs (the runner's collect). With async scheduling the device runs
@@ -218,8 +215,8 @@ class StepTimer:
 
         ending_ms, wait_ms: as step_finished's. The previous step's ending work ran while the device ran this step,
         so this step waited less than the previous one did, by at most that work: what its wait lost is given back to
-        its time (a review's finding: with the ending work only taken out of the step that did it, that step read D and
-        the next D - ending, a bias to high plain rates)."""
+        its time: with the ending work only taken out of the step that did it, that step would read D and the next
+        D - ending, a bias to high plain rates."""
         now = time.perf_counter()
         before, self._before = self._before, (ending_ms, wait_ms)
         start, self._last_continued = self._last_continued, now if chain_goes_on else None
@@ -234,14 +231,11 @@ class StepTimer:
         if ms is None:  # nearly all ending work
             return
         planner.regime.observe(num_requests, num_verified > 0, drafted, num_emitted, ms)
-        # NOTE: and the cost model: what a plain step costs in a pipelined run (its host work overlaps the device's,
-        # unlike the profiled step run alone) is what drafting must beat; one that drafted is the first step of a
-        # drafting run, priced as the profile's plain pass plus drafting. That first step is continued, so it was
-        # never timed, and the model learned drafting's cost from the next step's timing, read only after the
-        # choice that followed that step. On the H200 at T = 1, C = 64 (session 6) a row drafted in 6 steps
-        # (2 entering, 3 verifying and drafting, 1 leaving: 5.3, 8.0 and 4.8 ms medians against 1.4 ms plain
-        # steps), 0.93x of no-spec; with the first step measured, a run that should not draft can end after it.
-        # Only below OUTLIER_RATIO: a first step at 5x its refined prediction or more waits for a second one.
+        # And the cost model: what a plain step costs in a pipelined run (its host work overlaps the device's, unlike
+        # the profiled step run alone) is what drafting must beat; one that drafted is the first step of a drafting
+        # run, priced as the profile's plain pass plus drafting. Measuring that first step lets a run that should not
+        # draft end after it, not after the next step's timing. Only below OUTLIER_RATIO: a first step at 5x its
+        # refined prediction or more waits for a second one.
         base = cost.base
         if drafted:
             cost.observe(num_requests, base.step_ms(num_requests, num_requests + num_verified), ms, True)

@@ -39,8 +39,8 @@ class TableRows:
 
     NOTE: sound because a request's block list only grows, by append, while the request holds its blocks (freeing it
     replaces the list, kv_cache.free_request); the staged lists are held here, so a freed one's identity cannot pass
-    to a new list. At C = 1024 rewriting every row was ~0.66 ms of host time a step on the 2-vCPU machine (a numpy
-    slice assignment per row), ~0.08 ms this way, in a step the host bounds."""
+    to a new list. Rewriting every row (a numpy slice assignment per row) would cost several times more host time, in
+    a step the host bounds at high load."""
 
     def __init__(self, host: np.ndarray) -> None:
         self.host = host  # [rows, max_blocks]

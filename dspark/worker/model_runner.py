@@ -47,8 +47,8 @@ class RunnerOutput:
     sampled: dict[str, list[SampledRow]]
     num_accepted: dict[str, int] = field(default_factory=dict)  # request id -> drafts accepted, if it verified any
     # A continued step's tokens instead of `sampled`: one per request, in the step's order, without logprobs (every
-    # request of a continued step samples one plain token). NOTE: a SampledRow and a dict entry per request were
-    # ~0.4 ms of a continued step's host work at C = 1024 on the 2-vCPU machine.
+    # request of a continued step samples one plain token): a SampledRow and a dict entry per request would be a
+    # large share of a continued step's host work.
     tokens: list[int] | None = None
     spec: SpecResult | None = None  # a pipelined speculative step's outputs, one row per request in the step's order
 
@@ -68,7 +68,7 @@ class Launched:
     # changes, so a step continuing (some of) this one's requests takes the same path without asking each again.
     plain: str | None = None
     # plain == "temperature": the rows' temperatures ([n] fp32 on the device), seeds and output positions (int64), for
-    # a step that continues the same entries (engine._continuation) to reuse, its positions one further on.
+    # a step that continues the same entries (StepPolicy.next_step) to reuse, its positions one further on.
     temperature_rows: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
     spec: SpecLaunch | None = None  # a pipelined speculative step (worker/spec_pipeline.py)
 
@@ -254,7 +254,7 @@ class ModelRunner:
                 return self._logits(hidden, rows)
 
         launched = Launched(sched)
-        # NOTE: a continued step's requests all sample, without drafts or logprobs (the engine's _continuation checked
+        # A continued step's requests all sample, without drafts or logprobs (StepPolicy.next_step checked
         # them): not asked again, request by request, every step.
         continued = sched.continued
         sampling = sched.scheduled if continued else [s for s in sched.scheduled if s.samples]
@@ -288,7 +288,7 @@ class ModelRunner:
         if self.drafter is not None and self.drafter.tap_layers and not in_graph:
             # The drafter's context grows by what the target keeps: every plain token and the accepted drafts.
             if continued or not any(s.spec_token_ids for s in sched.scheduled):
-                # NOTE: no drafts in the step (prompt chunks, plain decode): it keeps every row, so a slice, without a
+                # No drafts in the step (prompt chunks, plain decode): it keeps every row, so a slice, without a
                 # Python list of every row (8192 in a full prefill step), its upload and a gather of the taps.
                 n = query_start[-1]
                 self.drafter.extend_context(None if tapped is None else tapped[:n], pos[:n], slot_mapping[:n])
@@ -376,9 +376,8 @@ class ModelRunner:
         every request feeds one token, the one the step it continues samples (on the device: its input id here is a
         placeholder), at the position after that step's (its last token is not appended yet).
 
-        NOTE: a continued step is the steady state of decoding; its inputs are computed a column at a time in numpy,
-        not request by request. At C = 1024 the host, not the device, bounds a plain step on the H200 (8 ms of host
-        work against 2.9 ms of device time, benchmarks/gpu/plain_step_trace.py and step_profile.py)."""
+        A continued step is the steady state of decoding; its inputs are computed a column at a time in numpy, not
+        request by request: at high load the host, not the device, bounds a plain step."""
         bs = self.block_size
         reqs = [s.request for s in sched.scheduled]
         n = len(reqs)
@@ -394,8 +393,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
         """The sampling requests' temperatures (on the device), seeds and the output position each samples."""
         if previous is not None and sampling is previous.sched.scheduled and previous.temperature_rows is not None:
-            # NOTE: the same entries continue `previous`, so each samples the position after the one it sampled there
-            # (three lists of 1024 and an upload a step at C = 1024, otherwise).
+            # The same entries continue `previous`, so each samples the position after the one it sampled there
+            # (otherwise three lists of R and an upload a step).
             temps, seeds, positions = previous.temperature_rows
             return temps, seeds, positions + 1
         n = len(sampling)
@@ -410,7 +409,7 @@ class ModelRunner:
             assert not any(s.continues for s in sched.scheduled), "a continued step needs the step it continues"
             return None
         assert previous.tokens is not None
-        if sched.scheduled is previous.sched.scheduled:  # the same entries serve again (the engine's _continuation)
+        if sched.scheduled is previous.sched.scheduled:  # the same entries serve again (StepPolicy.next_step)
             return previous.tokens
         ids = [s.request.request_id for s in sched.scheduled]
         if ids == previous.request_ids[: len(ids)]:  # the same rows in the same order (the usual case)
@@ -537,8 +536,8 @@ class ModelRunner:
         held = [self._draft_probs.get(s.request.request_id) for _, s in sampling]
         first = held[0]
         if first is not None and all(h is not None and h[0] is first[0] for h in held):
-            # Drafted in one pass (the steady state): one gather, not a slice per request and a cat of them all (at
-            # C = 256 those were ~500 small host ops a step).
+            # Drafted in one pass (the steady state): one gather, not a slice per request and a cat of them all (two
+            # small host ops a request).
             k = first[0].shape[1]
             rows = [h[1] for h in held if h is not None]
             flat = [r * k + j for r, (_, s) in zip(rows, sampling, strict=True) for j in range(len(s.spec_token_ids))]
@@ -599,7 +598,7 @@ def sampling_row(req: Request, drafts: list[int] | None = None) -> SamplingRow:
     if num_out < p.min_tokens:
         eos = () if p.ignore_eos or req.eos_token_id is None else (req.eos_token_id,)
         banned = (*eos, *p.stop_token_ids)
-    # NOTE: the token lists are read only by the penalties; without them a copy per request and step is wasted.
+    # The token lists are read only by the penalties; without them a copy per request and step is wasted.
     outputs = (req.output_token_ids + drafts if drafts else req.output_token_ids) if p.has_penalties else []
     return SamplingRow(
         temperature=p.temperature,

@@ -29,7 +29,7 @@ MAX_MODEL_LEN = 128
 
 @pytest.fixture(scope="module")
 def untied_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> str:
-    """A tiny llama with untied embeddings. NOTE: the tied tiny models' greedy output repeats one token for tens of
+    """A tiny llama with untied embeddings: the tied tiny models' greedy output repeats one token for tens of
     steps, so a step fed the previous step's input token instead of its sample would go unseen; this one's does not."""
     out = tmp_path_factory.mktemp("tiny-untied")
     make_hf_model("llama", tie_word_embeddings=False).save_pretrained(out, safe_serialization=True)
@@ -414,8 +414,8 @@ def _alternating_dspark(model: str, tmp_path: Path, **kw: Any) -> LLM:
 
 def test_dspark_drafting_after_a_pipelined_run(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """A run of pipelined plain steps, then the regime chooses to draft: the DSpark drafter writes K lookahead slots
-    past the last token, which the pipelined steps must have reserved. (On the H200 they did not, and drafting ran past
-    a request's block table.) The choice alternates here, four plain steps then two drafting ones; greedy output is
+    past the last token, which the pipelined steps must have reserved, else drafting runs past a request's block
+    table. The choice alternates here, four plain steps then two drafting ones; greedy output is
     that without speculation."""
     model = str(tiny_model_dirs["llama"])
     # block_size 4: the lookahead (4 slots) crosses block boundaries often
@@ -480,10 +480,9 @@ def test_a_continued_step_that_drafts_is_not_measured_as_plain(
 
 def test_every_plain_step_of_a_pipelined_run_is_measured(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """A pipelined run starts with a step launched alone, whose successor is launched before it is collected: that
-    successor is timed from the first step's end, like every later continued step from its predecessor's. Before, the
-    first continued step of each run went unmeasured, and a regime burst of plain steps (a switching step, then two
-    plain ones) reached the regime with no plain measurement at all (session 7, on the H200: a fresh engine's C = 64
-    row drafted in 25 steps, its level's plain rate unknown)."""
+    successor is timed from the first step's end, like every later continued step from its predecessor's. Were it
+    left unmeasured, a regime burst of plain steps (a switching step, then two plain ones) would reach the regime with
+    no plain measurement at all, and a level whose model says draft would keep drafting, its plain rate unknown."""
     model = str(tiny_model_dirs["llama"])
     llm = _alternating_dspark(model, tmp_path, dtype="float32", max_model_len=256, num_kv_blocks=256)
     engine, planner, timer = llm.engine, llm.engine.planner, llm.engine.core.timer
@@ -532,7 +531,7 @@ def _plain_adaptive_ngram(model: str, async_scheduling: bool = True, **kw: Any) 
 def test_a_step_launched_for_requests_that_all_ended_is_dropped(untied_model: str) -> None:
     """The last request stops on a stop token while the step after it is already launched; the engine goes idle. The
     next request must not wait a step behind that leftover, and the idle time must not reach the regime as one plain
-    step (on review: level 1's plain step read 403 ms instead of 3.5, after a 2 s pause)."""
+    step (level 1's plain rate would read the whole pause)."""
     import time
 
     prompt = _prompts(3, [9])[0]
@@ -610,10 +609,10 @@ def test_a_queue_that_cannot_be_admitted_does_not_stop_the_overlap(untied_model:
 def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, async_scheduling: bool) -> None:
     """A request that ends has its final output built in that step (its deferred text, freeing it, the output): host
     work every regime pays once per request. Neither the regime's rates nor the cost model may read it as the step's
-    cost, whether the step is timed host to host (continued) or as one step (synchronous). Session 8, on the H200:
-    counted in, the steps where a sweep row's requests ended read as plain steps of several ms, level 7's plain rate
-    fell to 6 tokens/ms against a real ~50, and C = 64 rows drafted at 0.4-0.7x of no-spec. Here ending a request
-    takes 0.3 s, nearly all of such a step: it is no measurement, and no step may read it."""
+    cost, whether the step is timed host to host (continued) or as one step (synchronous): counted in, the steps where
+    a sweep's requests end read as slow plain steps, a level's plain rate falls far below its real one, and the level
+    drafts at a loss. Here ending a request takes 0.3 s, nearly all of such a step: it is no measurement, and no step
+    may read it."""
     import time
 
     llm = _plain_adaptive_ngram(untied_model, async_scheduling=async_scheduling)
@@ -643,8 +642,8 @@ def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, 
         planner.timing.harvest(planner.cost, planner.regime)  # type: ignore[arg-type]
         if timed and ending_ms >= 300:
             ending_steps[0] += 1
-            # NOTE: dropped, unless the rest of the step was a fifth of it or more (ENDING_MIN_SHARE: 75 ms here, which
-            # a stalled CI host reached once); kept, it is without its ending work.
+            # Dropped, unless the rest of the step was a fifth of it or more (ENDING_MIN_SHARE: 75 ms here, which a
+            # stalled CI host can reach); kept, it is without its ending work.
             dropped[0] += (len(observed), len(priced)) == before
             new = observed[before[0] :] + priced[before[1] :]
             assert all(ms < 150 for ms in new), f"a step's ending work reached the regime or the cost model: {new}"

@@ -1,4 +1,4 @@
-"""Async scheduling on CUDA (skipped without a GPU; run on the H200 with `pytest -m gpu`): the pipelined steps give
+"""Async scheduling on CUDA (skipped without a GPU; run with `pytest -m gpu`): the pipelined steps give
 the synchronous steps' tokens."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine on CUDA (skipped without a GPU; run on the H200 with `pytest -m gpu`): transformers' greedy tokens,
+"""The engine on CUDA (skipped without a GPU; run with `pytest -m gpu`): transformers' greedy tokens,
 a bf16 batch, speculation keeping greedy output, and decode steps without a host sync.
 
 Engines are built once per module and shared: a test takes one cold (no requests, an empty prefix cache) and leaves

@@ -1,5 +1,5 @@
 """Confidence-scheduled verification is lossless in its two lossless modes, and the naive synchronous mode is not
-(DESIGN.md section 4; the DSpark paper, Appendix A: whether draft k of request r is verified must not depend on the
+(docs/scheduling.md; the DSpark paper, Appendix A: whether draft k of request r is verified must not depend on the
 value of draft k itself).
 
 A tiny bigram "model" drives the real scheduling (speculative/budget.py) and verification (sample/rejection.py): a
@@ -130,7 +130,7 @@ def _survivals(s: Scenario, prompts: torch.Tensor, drafts: torch.Tensor) -> torc
 def _simulate(s: Scenario, policy: Policy, num_trials: int, greedy: bool = False, chunk: int = 2500) -> Run:
     num_reqs = len(s.prompts)
     completion = torch.Generator().manual_seed(1234)  # the next step's sampling, independent of everything above
-    # NOTE: a policy is a pure function of the survivals, which take few distinct values here: memoised for speed.
+    # A policy is a pure function of the survivals, which take few distinct values here: memoised for speed.
     decided: dict[tuple[float, ...], list[int]] = {}
     emitted, pairs, counts, firsts = [], [], [], []
     for start in range(0, num_trials, chunk):

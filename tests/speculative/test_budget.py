@@ -1,4 +1,4 @@
-"""The scheduling maths of confidence-scheduled verification (DESIGN.md section 4), against brute force."""
+"""The scheduling maths of confidence-scheduled verification (docs/scheduling.md), against brute force."""
 
 from __future__ import annotations
 

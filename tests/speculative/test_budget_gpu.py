@@ -1,4 +1,4 @@
-"""The budget allocation's Triton kernel on CUDA (skipped without a GPU; run on the H200 with `pytest -m gpu`)."""
+"""The budget allocation's Triton kernel on CUDA (skipped without a GPU; run with `pytest -m gpu`)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ def test_noisy_profiles_are_forced_monotone() -> None:
 
 
 def test_one_slow_profile_point_does_not_become_a_cliff() -> None:
-    """Measured on the H200 (eager, 12 and 16 tokens hit a slow patch): a running maximum would price every step
+    """A profile whose 12 and 16 tokens hit a slow patch (eager): a running maximum would price every step
     above 12 tokens at 53 ms; the isotonic fit prices the flat region near its level."""
     sizes = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
     ms = [31.7, 30.1, 28.2, 29.5, 28.0, 33.4, 53.3, 53.5, 27.7, 27.8, 28.2, 27.9, 27.8, 28.6]

@@ -168,9 +168,9 @@ def test_calibration_monitor_compares_predicted_and_realised() -> None:
 
 
 def test_the_refined_cost_learns_the_overhead_outside_the_profile_per_regime() -> None:
-    """Plain and speculative steps each get their residual (measured minus profiled, a + b * requests): at T = 1 on the
-    H200 a drafting step paid far more outside the profile than a plain one, and one residual for both made drafting
-    look cheaper than it was. Until a speculative step is measured, its residual is the plain one's."""
+    """Plain and speculative steps each get their residual (measured minus profiled, a + b * requests): a drafting step
+    can pay far more outside the profile than a plain one, and one residual for both makes drafting look cheaper than
+    it is. Until a speculative step is measured, its residual is the plain one's."""
     base = CostModel.from_points({1: 5.0, 1024: 5.0}, {1: 1.0, 1024: 1.0})
     refined = RefinedCostModel(base)
     assert refined.step_ms(8, 16) == base.step_ms(8, 16)
@@ -207,7 +207,8 @@ def test_a_plain_step_may_cost_less_than_its_profile_but_not_arbitrarily_less() 
 
 def test_the_refined_cost_ignores_one_off_stalls_but_learns_a_regime_that_costs_that_much() -> None:
     """One step far slower than predicted (a kernel compiling, a GC pause) is not learned from; two in a row are: a
-    T = 1 drafting step cost 4-7x its profile on the H200, and dropping such steps kept the profile's "draft"."""
+    drafting step at temperature 1 can cost several times its profile, and dropping such steps would keep the
+    profile's "draft"."""
     base = CostModel.from_points({1: 5.0, 1024: 5.0}, {1: 1.0, 1024: 1.0})
     refined = RefinedCostModel(base)
     refined.observe(8, 6.0, 2000.0, speculative=True)  # a kernel compiling
@@ -305,12 +306,12 @@ def _ramp(
 def test_a_ramp_drafts_once_where_measured_drafting_costs_more_than_the_profile_says(
     monkeypatch: pytest.MonkeyPatch, draft_cost: float
 ) -> None:
-    """Session 5's T = 1 row at C = 256 on the H200: the ramp crossed a new load level every few steps, the profile said
-    drafting pays at each, and each level drafted (10 drafting steps of 9-18 ms against 2.4 ms plain ones: 0.85x of
-    no-spec). Once a drafting step has been measured, the model's drafting costs are measured ones: it says plain at
-    the levels that follow, and they explore drafting only as rarely as the predicted rates say a burst may cost 1%
-    of the time between (the first comes after ~200 steps here). Here a drafting step costs 4x or 7x a plain one (7x
-    is beyond the outlier ratio: it is learned from its second step) for ~2 tokens per request."""
+    """A ramp to 256 requests crosses a new load level every few steps; the profile says drafting pays at each, and
+    without measured costs each level would draft. Once a drafting step has been measured, the model's drafting costs
+    are measured ones: it says plain at the levels that follow, and they explore drafting only as rarely as the
+    predicted rates say a burst may cost 1% of the time between (the first comes after ~200 steps here). Here a
+    drafting step costs 4x or 7x a plain one (7x is beyond the outlier ratio: it is learned from its second step) for
+    ~2 tokens per request."""
     choices, planner = _ramp(monkeypatch, draft_cost=draft_cost, conf=0.5)
     assert planner.cost is not None and planner.cost.spec.count
     assert choices[0]  # the profile's verdict, before anything is measured
@@ -322,7 +323,7 @@ def test_a_ramp_drafts_once_where_measured_drafting_costs_more_than_the_profile_
 def test_a_load_that_drops_after_a_busy_spell_drafts_where_drafting_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafting measured only at a high load says nothing trustworthy about a low one: there the residual of the busy
     steps, extrapolated, would make drafting look dear, and a plain verdict with predictions would keep the level from
-    exploring for hundreds of steps (a review reproduced 715). Here drafting costs 4x a plain step with 256 requests
+    exploring for hundreds of steps. Here drafting costs 4x a plain step with 256 requests
     and 1.3x with 2, for ~3.4 tokens per request."""
     choices, _ = _ramp(
         monkeypatch, draft_cost=lambda r: 4.0 if r > 64 else 1.3, conf=0.9, loads=[256] * 300 + [2] * 300
@@ -364,8 +365,7 @@ def test_a_block_without_drafts_does_not_stop_drafting_for_good() -> None:
 def test_continued_steps_price_both_regimes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Async scheduling: a continued step is timed host to host. A plain one feeds the plain residual; one after which
     the engine drafted (the first step of a drafting run, never event-timed) feeds the speculative one, so that the
-    next choice already knows what drafting costs (on the H200 at T = 1 it learned that a step later, after one more
-    drafting step)."""
+    next choice already knows what drafting costs, not a step later, after one more drafting step."""
     import dspark.speculative.planner as planner_module
     import dspark.speculative.step_timer as timer_module
 
@@ -387,8 +387,8 @@ def test_continued_steps_price_both_regimes(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_a_step_with_a_prompt_chunk_is_not_a_regime_measurement() -> None:
-    """A prefill step is slow for reasons neither regime has: counted as a plain step it made plain decoding look
-    slower than drafting on the H200 (a level's first step is its requests' prefill). Decode steps do count."""
+    """A prefill step is slow for reasons neither regime has: counted as a plain step it would make plain decoding look
+    slower than drafting (a level's first step is its requests' prefill). Decode steps do count."""
     planner = VerificationPlanner(K, "async", 0.0, _pays_for_sure_drafts(), CPU)
     timer = StepTimer(planner)
     prompt = Request("p", None, [1, 2, 3, 4, 5, 6], SamplingParams(), 0, None)  # nothing computed: a whole prompt
@@ -471,7 +471,7 @@ def test_runs_of_plain_steps_are_timed_only_every_few_steps() -> None:
 @pytest.mark.parametrize("mode", ["fixed", "async", "sync"])
 def test_published_copies_do_not_pile_up(mode: str) -> None:
     """Every drafting pass publishes its survivals to the host (pinned memory on CUDA); old copies are dropped in
-    every mode. In fixed mode nothing harvested them, and they piled up for the engine's life."""
+    every mode, fixed mode too, where nothing harvests them: kept, they would pile up for the engine's life."""
     planner = VerificationPlanner(K, mode, 0.0, _pays_for_sure_drafts(), CPU)
     timer = StepTimer(planner)
     reqs = [_request("a"), _request("b")]

@@ -1,4 +1,4 @@
-"""The DSpark drafter (DESIGN.md section 6), on random weights, CPU fp32:
+"""The DSpark drafter (docs/drafter.md), on random weights, CPU fp32:
 
 - its paged, batched forward (DSparkDrafter.extend_context + propose) equals a dense reference written here from the
   paper's equations: context features fc -> hidden_norm of the tapped target layers, used as extra keys/values of
@@ -623,7 +623,7 @@ def test_dflash_style_config_loads(tmp_path: Path, targets: dict[str, CausalLM],
 
 def test_dflash_config_without_num_target_layers_loads(tmp_path: Path, targets: dict[str, CausalLM]) -> None:
     """Without num_target_layers, a drafter tapping the documented layers 1..L-3 of an L-layer target still fits it:
-    the last tapped layer is L-3 (DESIGN.md section 6, default_target_layer_ids, DFlash's own configs)."""
+    the last tapped layer is L-3 (docs/drafter.md, default_target_layer_ids, DFlash's own configs)."""
     target = targets["llama"]
     model = _drafter_model(target, "mask_token", seed=6)
     assert model.config.target_layer_ids[-1] == TARGET_LAYERS - 3

@@ -104,7 +104,7 @@ class DSparkDrafter:
             tables.append(req.block_ids)
             p = req.sampling_params
             rows.append(DraftRow(req.seed, req.num_output_tokens, p.temperature, p.greedy))
-        # NOTE: a pass whose rows are all greedy draws argmaxes only: no softmax, no inverse CDF (an fp64 scan of the
+        # A pass whose rows are all greedy draws argmaxes only: no softmax, no inverse CDF (an fp64 scan of the
         # vocabulary per draft) and no [R, k, vocab] distributions to copy out. Greedy rows are verified by argmax and
         # never read them.
         sample = self.sample and not all(row.greedy for row in rows)
