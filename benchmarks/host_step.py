@@ -26,12 +26,12 @@ import time
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.speculative import planner as planner_module
-from dspark.speculative.regime import Verdict
-from dspark.speculative.budget import drafting_verdict
-from dspark.worker import model_runner as mr
 from dspark.sample import sampler as sampler_module
 from dspark.sample.random import uniforms
+from dspark.speculative import planner as planner_module
+from dspark.speculative.budget import drafting_verdict
+from dspark.speculative.regime import Verdict
+from dspark.worker import model_runner as mr
 
 
 def host_ms(

@@ -21,6 +21,7 @@ from dspark.core.request import Request
 from dspark.core.scheduler import ScheduledRequest, SchedulerOutput
 from dspark.speculative.cost_model import CostModel
 from dspark.speculative.planner import VerificationPlanner
+from dspark.speculative.step_timer import StepTimer
 
 K = 7
 
@@ -51,6 +52,7 @@ def run(num_reqs: int, device: torch.device, steps: int, drafting: bool, prepare
         acc[label] += time.perf_counter() - start
         return out
 
+    timer = StepTimer(planner)
     conf = torch.rand(num_reqs, K, generator=gen).to(device)
     planner.observe(ids, [K] * num_reqs, conf)
     planner.observe(ids, [K] * num_reqs, conf)
@@ -60,7 +62,7 @@ def run(num_reqs: int, device: torch.device, steps: int, drafting: bool, prepare
         sched = SchedulerOutput(
             [ScheduledRequest(r, 1 + K, [7] * K) if drafting else ScheduledRequest(r, 1) for r in reqs]
         )
-        timed("step_started", planner.step_started)
+        timed("step_started", timer.step_started)
         timed("plan", planner.plan, sched)
         if drafting:
             outcomes = [
@@ -72,7 +74,7 @@ def run(num_reqs: int, device: torch.device, steps: int, drafting: bool, prepare
             if prepare:  # as the engine does while the drafting pass runs on the device
                 timed("prepare", planner.prepare, ids, [K] * num_reqs, num_reqs, num_reqs)
             timed("observe", planner.observe, ids, [K] * num_reqs, conf)
-        timed("step_finished", planner.step_finished, drafting and pays, num_reqs)
+        timed("step_finished", timer.step_finished, drafting and pays, num_reqs)
     return {k: v / steps * 1e6 for k, v in acc.items()}
 
 

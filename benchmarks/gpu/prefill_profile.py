@@ -87,14 +87,16 @@ def profile(
     wrap(engine.scheduler, "schedule", acc, "schedule")
     wrap(engine.runner, "launch", acc, "launch")
     wrap(engine.runner, "collect", acc, "collect")
-    wrap(engine, "_process", acc, "process")
-    wrap(engine, "_draft", acc, "draft")
+    wrap(engine.core, "_append", acc, "process")
+    wrap(engine.core, "_draft", acc, "draft")
     if engine.runner.drafter is not None:
         wrap(engine.runner.drafter, "extend_context", acc, "drafter.extend_context")
         wrap(engine.runner, "propose", acc, "propose")
     if engine.planner is not None:
-        for fn in ("plan", "should_draft", "step_started", "step_finished", "record", "observe"):
+        for fn in ("plan", "should_draft", "record", "observe"):
             wrap(engine.planner, fn, acc, f"planner.{fn}")
+        for fn in ("step_started", "step_finished"):
+            wrap(engine.core.timer, fn, acc, f"planner.{fn}")
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     steps, phases, every = [], collections.defaultdict(list), []
     for r in range(repeats + 2):  # the first two warm up (compiles)
@@ -110,7 +112,7 @@ def profile(
         kind = engine.last_step_kind
         while engine.has_unfinished_requests():
             engine.step()
-        assert not any(rid in engine._tracked for rid in ids)
+        assert not any(rid in engine.output_processor.states for rid in ids)
         if trace and r == repeats + 1:  # after the last repeat, one more under torch.profiler
             trace_step(engine, prompts, params, concurrency, name, (repeats + 2) * concurrency)
         if r >= 2:
@@ -155,15 +157,17 @@ def sweep_like(name: str, device: str, concurrency: int, rounds: int, prompts: l
     wrap(engine.runner, "launch", acc, "launch")
     wrap(engine.runner, "_forward_eager", acc, "launch.forward_eager")
     wrap(engine.runner, "collect", acc, "collect")
-    wrap(engine, "_process", acc, "process")
-    wrap(engine, "_draft", acc, "draft")
-    wrap(engine, "_continuation", acc, "continuation")
+    wrap(engine.core, "_append", acc, "process")
+    wrap(engine.core, "_draft", acc, "draft")
+    wrap(engine.core.policy, "next_step", acc, "continuation")
     wrap(engine.kv, "cache_computed_blocks", acc, "kv.cache_computed_blocks")
     if engine.runner.drafter is not None:
         wrap(engine.runner.drafter, "extend_context", acc, "launch.extend_context")
     if engine.planner is not None:
-        for fn in ("plan", "should_draft", "step_started", "step_finished", "record", "release", "skip_timing"):
+        for fn in ("plan", "should_draft", "record", "release"):
             wrap(engine.planner, fn, acc, f"planner.{fn}")
+        for fn in ("step_started", "step_finished", "skip_timing"):
+            wrap(engine.core.timer, fn, acc, f"planner.{fn}")
     steps: list[tuple[str, float, dict[str, float]]] = []
     step = engine.step
 

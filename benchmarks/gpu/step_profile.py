@@ -112,7 +112,7 @@ def profile(
         return out
 
     Proposal.token_ids = property(timed_wait)  # type: ignore[method-assign,assignment]
-    wrap(engine, "_process", "process", acc)
+    wrap(engine.core, "_append", "process", acc)
     # Every event wait of the host (the step's download, a graph replay's staging copies, the planner's copies), inside
     # the phases above: a step's host work is its wall time less this ("busy" below).
     event_sync = torch.cuda.Event.synchronize
@@ -136,8 +136,10 @@ def profile(
 
         graphs.pick = counted_pick  # type: ignore[method-assign]
     if engine.planner is not None:
-        for fn in ("plan", "prepare", "record", "should_draft", "observe", "step_started", "step_finished"):
+        for fn in ("plan", "prepare", "record", "should_draft", "observe"):
             wrap(engine.planner, fn, f"planner.{fn}", acc)
+        for fn in ("step_started", "step_finished"):
+            wrap(engine.core.timer, fn, f"planner.{fn}", acc)
         # inside plan: the budget choice and the allocation (kernel, copy and wait), the goal's "under 2% of a step".
         # plan.choose_budget counts the choices made in prepare() too (while the drafting pass runs).
         for fn in PLAN_PARTS:
