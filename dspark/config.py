@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from dspark.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "sdpa", "torch", "triton")
+BATCH_INVARIANT_ENV = "DSPARK_BATCH_INVARIANT"  # "1": batch-invariant mode by default (as vLLM's VLLM_BATCH_INVARIANT)
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this mean argmax (engine-wide)
@@ -224,16 +226,17 @@ class EngineConfig:
     # Overlap: the host prepares and launches decode step t+1 while the device runs step t (vLLM's
     # --async-scheduling). None: on for CUDA, off elsewhere (a CPU runs its steps synchronously anyway).
     async_scheduling: bool | None = None
-    # auto: Triton on CUDA (when triton is installed), the torch reference elsewhere
+    # auto: Triton on CUDA (when triton is installed); on CPU torch's fused SDPA, or the batch-invariant torch reference
     attention_backend: str = "auto"
     # A token's target logits never depend on the batch around it (how many requests, how many drafts): greedy output
     # with speculation then equals output without it bit for bit in bf16 too, and without speculation (or greedy, or
     # n-gram's strict verification) a seeded request gives the same tokens in any batch. Sampled DSpark drafts are not
     # batch-invariant (the drafter's kernels are the default ones), so rejection sampling's outputs are equal in
-    # distribution only. CUDA: every GEMM through one fixed-tile Triton kernel and attention without key splits (slower
-    # steps); CPU: always so (row padding, utils/numerics.py). vLLM's VLLM_BATCH_INVARIANT, SGLang's
+    # distribution only. CUDA: every GEMM through one fixed-tile Triton kernel and attention without key splits; CPU:
+    # matmul rows padded (utils/numerics.py) and attention in fixed tiles (attention/torch_ref.py). Slower steps
+    # either way. The default comes from $DSPARK_BATCH_INVARIANT ("1": on). vLLM's VLLM_BATCH_INVARIANT, SGLang's
     # --enable-deterministic-inference.
-    batch_invariant: bool = False
+    batch_invariant: bool = field(default_factory=lambda: os.environ.get(BATCH_INVARIANT_ENV) == "1")
     seed: int = 0
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None  # a dict is parsed into SpeculativeConfig
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from helpers import FAMILIES, make_hf_model
+
+# Most tests compare bits (speculation against none, a request alone against in a batch, chunked against whole,
+# async steps against synchronous ones): engines run in batch-invariant mode unless a test asks for the default one
+# (EngineConfig.batch_invariant=False: the fast CPU path, tested on its own).
+os.environ.setdefault("DSPARK_BATCH_INVARIANT", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
-from dspark.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from dspark.config import ATTENTION_BACKENDS, BATCH_INVARIANT_ENV, DEVICES, DTYPES, EngineConfig
 from dspark.errors import ConfigError
 from dspark.models.registry import DEFAULT_MODEL
 
@@ -84,13 +84,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: bool = Tru
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default="auto",
-        help="auto: Triton on CUDA, the torch reference on CPU (default: %(default)s)",
+        help="auto: Triton on CUDA; on CPU torch's fused SDPA, or the torch reference in batch-invariant mode "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--batch-invariant",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="a token's logits never depend on its batch: greedy output with speculation equals output without it "
-        "bit for bit (bf16 too); CUDA steps get slower (fixed-tile GEMMs, no key splits)",
+        "bit for bit (bf16 too); steps get slower (fixed-tile GEMMs, no key splits, the CPU reference kernels) "
+        f"(default: off, or {BATCH_INVARIANT_ENV}=1)",
     )
     g.add_argument(
         "--speculative-config",
@@ -112,6 +115,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """An EngineConfig from the parsed flags: validated here, before any model is loaded."""
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     values = {k: v for k, v in vars(args).items() if k in names and k != "speculative_config"}
+    if values.get("batch_invariant") is None:  # unset: the config's default reads the environment
+        values.pop("batch_invariant", None)
     raw = getattr(args, "speculative_config", None)
     if raw is not None:
         try:

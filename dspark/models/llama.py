@@ -3,10 +3,12 @@
 Parameter names match Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), so loading is a name mapping.
 The forward takes one flattened batch of tokens; attention goes through the context's backend and paged cache.
 
-Two paths. The torch code below is the reference and the CPU path (tests check it against transformers, bit for bit
-across batch sizes). For inference on CUDA with Triton, the norms, rotary and SiLU run as the fused kernels of
-models/fused_ops.py, each residual add happens inside the next norm (`decoder_stack`), and after `fuse_weights()`
-q/k/v and gate/up are one GEMM each: about ten kernels per layer instead of ~45.
+Three paths. The torch code below is the reference and the batch-invariant CPU path (tests check it against
+transformers, bit for bit across batch sizes). For inference on CUDA with Triton, the norms, rotary and SiLU run as the
+fused kernels of models/fused_ops.py, each residual add happens inside the next norm (`decoder_stack`), and after
+`fuse_weights()` q/k/v and gate/up are one GEMM each: about ten kernels per layer instead of ~45. The fast CPU path
+(`use_fast_cpu_path`) runs the same merged GEMMs through oneDNN's pre-packed weights (models/cpu_gemm.py), rotary over
+q and k at once, and torch's fused SiLU.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.attention.base import AttentionContext
-from dspark.models import fused_ops
+from dspark.models import cpu_gemm, fused_ops
 from dspark.models.config import ModelConfig
 from dspark.models.invariant_gemm import linear
 
@@ -111,14 +114,25 @@ class Attention(nn.Module):
         # Set by fuse_weights(): [(num_heads + 2 * num_kv_heads) * head_dim, hidden], q rows first, then k, then v.
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        # Set by pack_for_cpu(): qkv_weight and o_proj's weight in oneDNN's layout (plain attributes: .to() must not
+        # touch them)
+        self.qkv_packed: torch.Tensor | None = None
+        self.o_packed: torch.Tensor | None = None
 
     def fuse_weights(self) -> None:
         self.qkv_weight, self.qkv_bias = _merge_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def pack_for_cpu(self) -> None:
+        if self.qkv_weight is None:
+            self.fuse_weights()
+        self.qkv_packed, self.o_packed = cpu_gemm.pack(self.qkv_weight), cpu_gemm.pack(self.o_proj.weight)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
         if fused_ops.enabled(x):
             return self._forward_fused(x, rope, ctx)
+        if self.qkv_packed is not None and self.o_packed is not None and not torch.is_grad_enabled():
+            return self._forward_packed(x, rope, ctx)
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
@@ -127,6 +141,24 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         o = ctx.backend.forward(q, k, v, ctx.caches[self.layer_idx], ctx.meta, self.scale)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+
+    def _forward_packed(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The fast CPU path: one packed GEMM for q/k/v, rotary over q and k in one go (they sit side by side in its
+        output), one for o_proj."""
+        assert self.qkv_packed is not None and self.o_packed is not None
+        n, nq, nkv = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = cpu_gemm.linear(x, self.qkv_packed, self.qkv_bias)
+        v = qkv[:, nq + nkv :].view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = apply_rotary(self.q_norm(qkv[:, :nq].view(n, self.num_heads, self.head_dim)), rope)
+            k = apply_rotary(self.k_norm(qkv[:, nq : nq + nkv].view(n, self.num_kv_heads, self.head_dim)), rope)
+        else:
+            qk = apply_rotary(qkv[:, : nq + nkv].view(n, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        o = ctx.backend.forward(q, k, v, ctx.caches[self.layer_idx], ctx.meta, self.scale)
+        return cpu_gemm.linear(o.reshape(n, nq), self.o_packed, self.o_proj.bias)
 
     def _forward_fused(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
@@ -154,11 +186,24 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # [2 * intermediate, hidden], gate rows first
+        self.exact_silu = True  # SiLU element by element (batch-invariant mode on CPU); False: torch's fused F.silu
+        self.gate_up_packed: torch.Tensor | None = None  # as Attention.qkv_packed
+        self.down_packed: torch.Tensor | None = None
 
     def fuse_weights(self) -> None:
         self.gate_up_weight = _merge_linears([self.gate_proj, self.up_proj])[0]
 
+    def pack_for_cpu(self) -> None:
+        if self.gate_up_weight is None:
+            self.fuse_weights()
+        self.gate_up_packed, self.down_packed = cpu_gemm.pack(self.gate_up_weight), cpu_gemm.pack(self.down_proj.weight)
+        self.exact_silu = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_packed is not None and self.down_packed is not None and not torch.is_grad_enabled():
+            gate_up = cpu_gemm.linear(x, self.gate_up_packed, None)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return cpu_gemm.linear(F.silu(gate) * up, self.down_packed, None)
         if fused_ops.enabled(x):
             if self.gate_up_weight is not None:
                 h = fused_ops.silu_mul(linear(x, self.gate_up_weight, None, self.invariant))
@@ -167,8 +212,10 @@ class MLP(nn.Module):
                 h = fused_ops.silu_mul(gate, up)
             return linear(h, self.down_proj.weight, None, self.invariant)
         gate = self.gate_proj(x)
-        # NOTE: not F.silu: with 5+ threads torch splits its vectorised loop mid-row and a row's bits then depend on
-        # the batch size; exp and division stay element-wise exact (tests/utils/test_numerics.py).
+        if not self.exact_silu:
+            return self.down_proj(F.silu(gate) * self.up_proj(x))
+        # NOTE: batch-invariant mode, not F.silu: with 5+ threads torch splits its vectorised loop mid-row and a row's
+        # bits then depend on the batch size; exp and division stay element-wise exact (tests/utils/test_numerics.py).
         return self.down_proj(gate / (1 + torch.exp(-gate)) * self.up_proj(x))
 
 
@@ -272,6 +319,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head_packed: torch.Tensor | None = None  # as Attention.qkv_packed
 
     def fuse_weights(self) -> CausalLM:
         """One GEMM for q/k/v and one for gate/up in every layer on the fused (CUDA) path; state_dict unchanged."""
@@ -314,4 +362,17 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, invariant: bool | None = None) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] fp32. invariant: override the model's setting (a drafter's logits need not be
         batch-invariant: its drafts never change a greedy output)."""
+        if self.lm_head_packed is not None and not invariant and not torch.is_grad_enabled():
+            return cpu_gemm.linear(hidden, self.lm_head_packed, None).float()
         return linear(hidden, self.lm_head.weight, None, self.invariant if invariant is None else invariant).float()
+
+
+def use_fast_cpu_path(model: nn.Module) -> None:
+    """The fast CPU path for every layer of `model` (a target or a drafter), on its final device and dtype: merged and
+    pre-packed GEMMs where oneDNN takes them, torch's fused SiLU. A row's bits may then depend on its batch (oneDNN
+    picks kernels by shape), so the batch-invariant mode keeps the reference path instead."""
+    for module in model.modules():
+        if isinstance(module, (Attention, MLP)):
+            module.pack_for_cpu()
+        elif isinstance(module, CausalLM):
+            module.lm_head_packed = cpu_gemm.pack(module.lm_head.weight)

@@ -14,3 +14,8 @@ ROW_MULTIPLE = 4
 def padded_rows(n: int) -> int:
     """The row count to compute n rows with: a multiple of ROW_MULTIPLE, at least ROW_MULTIPLE."""
     return max(ROW_MULTIPLE, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE)
+
+
+def rows_for(n: int, pad: bool) -> int:
+    """The rows to compute n rows with: padded_rows(n) in batch-invariant mode (pad), n otherwise."""
+    return padded_rows(n) if pad else n

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from dspark.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache, slots_for
+from dspark.attention.sdpa import SdpaAttention
 from dspark.attention.torch_ref import TorchAttention
 from dspark.config import EngineConfig
 from dspark.core.request import Request
@@ -29,7 +30,7 @@ from dspark.sample.sampler import SampledRow, Sampler
 from dspark.speculative.budget import FlatLayout
 from dspark.speculative.drafters.base import Drafter, Proposal
 from dspark.speculative.drafters.dspark.drafter import DSparkDrafter
-from dspark.utils.numerics import padded_rows
+from dspark.utils.numerics import rows_for
 from dspark.utils.platform import triton_available
 from dspark.utils.transfer import Download, download, upload, upload_tensor
 from dspark.worker.cuda_graphs import GraphRunner
@@ -81,14 +82,17 @@ GRAPH_MAX_TOKENS = 8192  # steps past this run eagerly: their kernels are long e
 
 
 def make_backend(name: str, device: torch.device, invariant: bool = False) -> AttentionBackend:
-    """The attention backend for this engine: Triton on CUDA when asked for or by default (auto), else torch.
-    invariant: the Triton backend's batch-invariant tiling (the torch reference on CPU is invariant as it is)."""
+    """The attention backend for this engine: Triton on CUDA when asked for or by default (auto); on CPU torch's fused
+    SDPA (auto, sdpa), or the torch reference (torch, and auto in batch-invariant mode: its fixed tiles make a row
+    independent of its batch). invariant: also the Triton backend's batch-invariant tiling."""
     if name == "triton" or (name == "auto" and device.type == "cuda" and triton_available()):
         if device.type != "cuda":
-            raise ConfigError("attention_backend", name, "triton needs a CUDA device; use auto or torch here")
+            raise ConfigError("attention_backend", name, "triton needs a CUDA device; use auto, sdpa or torch here")
         from dspark.attention.triton_backend import TritonAttention
 
         return TritonAttention(invariant=invariant)
+    if name == "sdpa" or (name == "auto" and not invariant):
+        return SdpaAttention()
     return TorchAttention()
 
 
@@ -120,6 +124,9 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.backend = make_backend(config.attention_backend, device, config.batch_invariant)
+        # Matmul rows padded for batch invariance (utils/numerics.py): on CUDA (its graphs' shapes) and on CPU in
+        # batch-invariant mode.
+        self.pad_rows = device.type == "cuda" or config.batch_invariant
         self.sampler = Sampler()
         self.drafter = drafter
         self.verify_method = verify_method
@@ -329,7 +336,7 @@ class ModelRunner:
         lens = lay.seq_lens.tolist()
         num_reqs = next((i for i, n in enumerate(lens) if n == 0), len(lens))  # padding requests (empty) come last
         qs, lens = lay.query_start.tolist()[: num_reqs + 1], lens[:num_reqs]
-        pad = padded_rows(num_tokens) - num_tokens
+        pad = rows_for(num_tokens, self.pad_rows) - num_tokens
         pipeline = self.pipeline
         assert pipeline is not None
         meta = AttentionMetadata(
@@ -430,7 +437,7 @@ class ModelRunner:
         ids_from: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         num_actual = len(input_ids)
-        pad = padded_rows(num_actual) - num_actual  # padding rows: token 0, position 0, slot -1
+        pad = rows_for(num_actual, self.pad_rows) - num_actual  # padding rows: token 0, position 0, slot -1
         dev = self.device
         max_blocks = max(len(t) for t in tables)
         slot_mapping = upload(slots + [-1] * pad, torch.int64, dev)
@@ -460,7 +467,7 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """fp32 logits of these rows of the step ([len(rows) padded to a multiple of 4, vocab])."""
-        padded = rows + [rows[-1]] * (padded_rows(len(rows)) - len(rows))
+        padded = rows + [rows[-1]] * (rows_for(len(rows), self.pad_rows) - len(rows))
         return self.model.compute_logits(hidden[upload(padded, torch.int64, self.device)])
 
     def _sample(self, sched: SchedulerOutput, logits_of: LogitsOf, query_start: list[int]) -> RunnerOutput:

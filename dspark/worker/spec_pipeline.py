@@ -38,7 +38,7 @@ from dspark.sample.rejection import verify_on_device
 from dspark.speculative.budget import FlatLayout, allocate, flat_layout
 from dspark.speculative.drafters.dspark.drafter import DSparkDrafter
 from dspark.utils.capture import capture_sizes
-from dspark.utils.numerics import padded_rows
+from dspark.utils.numerics import padded_rows, rows_for
 from dspark.worker.cuda_graphs import GraphRunner
 
 MIN_CONFIDENCE = 1e-4  # a drafted slot keeps a positive survival: 0 means "no draft here" to allocate
@@ -345,7 +345,7 @@ class SpecPipeline:
         rows_before = torch.minimum(torch.arange(r + 1, device=dev), self.ctrl[1])
         query_start = (rows_before * K).to(torch.int32)
         num_tokens = r * K
-        pad = padded_rows(num_tokens) - num_tokens
+        pad = rows_for(num_tokens, self.drafter.pad_rows) - num_tokens
         positions = torch.cat([pos.reshape(-1), pos.new_zeros(pad)]) if pad else pos.reshape(-1)
         slots = torch.cat([slots, slots.new_full((pad,), -1)]) if pad else slots
         if meta_out is None:  # eager: the real requests only, with the host lists the torch backend reads

@@ -11,9 +11,11 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.errors import ConfigError
+from dspark.models.llama import use_fast_cpu_path
 from dspark.models.loader import load_model
 from dspark.models.registry import SHIPPED_DRAFTERS, resolve_model, shipped_drafter
 from dspark.speculative.drafters.base import Drafter, make_drafter
+from dspark.speculative.drafters.dspark.drafter import DSparkDrafter
 from dspark.speculative.drafters.dspark.model import DSparkModel
 from dspark.utils.platform import pick_device, pick_dtype, triton_available
 from dspark.worker.model_runner import ModelRunner, kv_bytes_per_block, make_backend
@@ -43,6 +45,8 @@ class Worker:
                         "row independent of its batch)",
                     )
                 self.model.use_batch_invariant_gemms()
+        if self.device.type == "cpu" and not config.batch_invariant:
+            use_fast_cpu_path(self.model)
         self.model_config = mcfg = self.model.config
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
@@ -50,6 +54,8 @@ class Worker:
             raise ConfigError("max_model_len", self.max_model_len, f"at most the model's context length, {limit}")
         self.spec = spec = config.spec
         self.dspark_model = self._load_dspark() if spec is not None and spec.method == "dspark" else None
+        if self.dspark_model is not None and self.device.type == "cpu" and not config.batch_invariant:
+            use_fast_cpu_path(self.dspark_model)
         if self.dspark_model is not None and self.device.type == "cuda":
             for layer in self.dspark_model.layers:
                 layer.fuse_weights()
@@ -79,8 +85,14 @@ class Worker:
                 config.block_size,
                 self.device,
                 self.dtype,
-                make_backend(config.attention_backend, self.device),
+                # batch-invariant on CPU in that mode too (under rejection sampling its drafts decide what is emitted);
+                # on CUDA its kernels stay the default ones
+                make_backend(
+                    config.attention_backend, self.device, config.batch_invariant and self.device.type != "cuda"
+                ),
             )
+            if isinstance(drafter, DSparkDrafter):
+                drafter.pad_rows = self.device.type == "cuda" or config.batch_invariant
         self.runner = ModelRunner(
             config,
             self.model,

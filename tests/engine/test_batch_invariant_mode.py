@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.attention.base import AttentionMetadata, KVCache
-from dspark.config import EngineConfig
+from dspark.config import BATCH_INVARIANT_ENV, EngineConfig
 from dspark.engine.args import add_engine_args, engine_config
 from dspark.errors import ConfigError
 from helpers import interpreted_verdicts, run_interpreted
@@ -158,13 +158,19 @@ def test_interpreted_invariant_kernels(interpreted: dict[str, str], name: str) -
 # ---- configuration (CPU) -------------------------------------------------------------------------------------------
 
 
-def test_batch_invariant_is_checked_and_reaches_the_config_from_the_cli() -> None:
+def test_batch_invariant_is_checked_and_reaches_the_config_from_the_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="batch_invariant"):
         EngineConfig(batch_invariant="yes")  # type: ignore[arg-type]
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_config(parser.parse_args(["--batch-invariant"])).batch_invariant is True
-    assert engine_config(parser.parse_args([])).batch_invariant is False
+    for env in ("0", "1"):
+        monkeypatch.setenv(BATCH_INVARIANT_ENV, env)
+        # the flag wins over the environment; without it the environment decides
+        assert engine_config(parser.parse_args(["--batch-invariant"])).batch_invariant is True
+        assert engine_config(parser.parse_args(["--no-batch-invariant"])).batch_invariant is False
+        assert engine_config(parser.parse_args([])).batch_invariant is (env == "1")
+    monkeypatch.delenv(BATCH_INVARIANT_ENV)
+    assert EngineConfig().batch_invariant is False
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------------------

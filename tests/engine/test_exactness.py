@@ -1,4 +1,6 @@
-"""Logits and greedy tokens equal Hugging Face transformers' (fp32, CPU): tiny random models and SmolLM2-135M."""
+"""Logits and greedy tokens equal Hugging Face transformers' (fp32, CPU), in batch-invariant mode and in the default
+(fast) one: tiny random models and SmolLM2-135M. In bf16 the fast path stays within a documented tolerance
+(docs/numerics.md)."""
 
 from __future__ import annotations
 
@@ -48,12 +50,19 @@ def _check_against_hf(llm: LLM, hf: torch.nn.Module, prompts: list[list[int]], n
     return worst
 
 
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "fast"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tiny_models_match_transformers(family: str, tiny_model_dirs: dict[str, Path]) -> None:
+def test_tiny_models_match_transformers(family: str, invariant: bool, tiny_model_dirs: dict[str, Path]) -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[family], dtype=torch.float32).eval()
-    llm = LLM(model=str(tiny_model_dirs[family]), dtype="float32", max_model_len=512, num_kv_blocks=128)
+    llm = LLM(
+        model=str(tiny_model_dirs[family]),
+        dtype="float32",
+        max_model_len=512,
+        num_kv_blocks=128,
+        batch_invariant=invariant,
+    )
     g = torch.Generator().manual_seed(1)
     # Lengths straddle the attention tile (256) and the block size (16).
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 17, 300)]
@@ -61,14 +70,15 @@ def test_tiny_models_match_transformers(family: str, tiny_model_dirs: dict[str, 
 
 
 @pytest.mark.slow
-def test_smollm2_matches_transformers(smollm2_path: Path) -> None:
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "fast"])
+def test_smollm2_matches_transformers(smollm2_path: Path, invariant: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     # transformers dequantizes and un-permutes the GGUF with its own code: an independent reference for ours.
     hf = AutoModelForCausalLM.from_pretrained(
         str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
     ).eval()
-    llm = LLM(dtype="float32", max_model_len=1024)
+    llm = LLM(dtype="float32", max_model_len=1024, batch_invariant=invariant)
     chats = [
         "What is the capital of France?",
         "Write a Python function that reverses a string.",

@@ -20,7 +20,7 @@ from dspark.models.llama import CausalLM
 from dspark.speculative.drafters.base import Proposal
 from dspark.speculative.drafters.dspark.markov import DraftRow, draw_inputs, sample_block_with
 from dspark.speculative.drafters.dspark.model import DSparkModel
-from dspark.utils.numerics import padded_rows
+from dspark.utils.numerics import rows_for
 from dspark.utils.transfer import Download, upload, upload_tensor
 
 if TYPE_CHECKING:
@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 class DSparkDrafter:
     method = "dspark"
+    # Rows padded for batch-invariant matmuls (utils/numerics.py): on CUDA (its graphs' shapes) and in batch-invariant
+    # mode; the engine sets it.
+    pad_rows = True
 
     def __init__(
         self,
@@ -69,7 +72,7 @@ class DSparkDrafter:
         n = taps.shape[0]
         if n == 0:
             return
-        pad = padded_rows(n) - n  # batch-invariant matmuls (utils/numerics.py); padding rows are dropped
+        pad = rows_for(n, self.pad_rows) - n  # batch-invariant matmuls (utils/numerics.py); padding rows are dropped
         taps = torch.cat([taps, taps.new_zeros(pad, taps.shape[1])]) if pad else taps
         self.model.write_context(self.model.context_features(taps), positions, slots, self.caches)
 
@@ -117,7 +120,7 @@ class DSparkDrafter:
             return Proposal(Download(tokens), probs, confidences)
 
         num_tokens = num_reqs * K
-        pad = padded_rows(num_tokens) - num_tokens
+        pad = rows_for(num_tokens, self.pad_rows) - num_tokens
         max_blocks = max(len(t) for t in tables)
         meta = AttentionMetadata(
             num_actual_tokens=num_tokens,
@@ -161,7 +164,7 @@ class DSparkDrafter:
         h = self.model.backbone(x, pos, AttentionContext(backend, meta, self.caches))
 
         # Only the first k of the K slots are drafted; rows are padded for batch-invariant matmuls.
-        r_pad = padded_rows(num_reqs)
+        r_pad = rows_for(num_reqs, self.pad_rows)
         h = h[: num_reqs * K].view(num_reqs, K, -1)[:, :k]
         if r_pad > num_reqs:
             h = torch.cat([h, h.new_zeros(r_pad - num_reqs, k, h.shape[-1])])
