@@ -77,21 +77,58 @@ def tokenize(llm: LLM, prompts: list[str], chat: bool) -> list[list[int]]:
     return [llm.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
 
 
-def run_dspark(engine: LLMEngine, prompt_ids: list[list[int]], output_len: int) -> ArmResult:
-    """All prompts at once; the scheduler keeps at most max_num_seqs of them in flight."""
+def run_dspark(
+    engine: LLMEngine, prompt_ids: list[list[int]], output_len: int, concurrency: int | None = None
+) -> ArmResult:
+    """The prompts with at most `concurrency` of them in flight (None: all added at once, the scheduler keeping
+    max_num_seqs in flight)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind="final_only")
     warm = engine.tokenizer.encode(WARMUP_TEXT)
     engine.add_request(warm, dataclasses.replace(params, max_tokens=WARMUP_TOKENS))
     drain(engine)
 
     bar = tqdm(total=len(prompt_ids) * output_len, desc="dspark", unit="tok", file=sys.stderr)
+    limit = len(prompt_ids) if concurrency is None else concurrency
     start = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in prompt_ids]
-    final = drain(engine, bar)
+    ids = [engine.add_request(p, params) for p in prompt_ids[:limit]]
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            bar.update(len(out.new_token_ids))
+            if out.finished:
+                final[out.request_id] = out
+                if len(ids) < len(prompt_ids):
+                    ids.append(engine.add_request(prompt_ids[len(ids)], params))
     elapsed = time.perf_counter() - start
     bar.close()
     outputs = [final[i].outputs[0].token_ids for i in ids]
     return ArmResult(elapsed, len(ids), sum(len(o) for o in outputs), outputs)
+
+
+def dspark_ttft(engine: LLMEngine, prompt: list[int]) -> float:
+    """Seconds from adding a prompt to its first token (its whole prefill, in max_num_batched_tokens chunks)."""
+    engine.kv.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind="final_only")
+    start = time.perf_counter()
+    engine.add_request(prompt, params)
+    drain(engine)
+    return time.perf_counter() - start
+
+
+def hf_forward(hf: Any, prompt: list[int]) -> float:
+    """Seconds of transformers' forward over the prompt, the last position's logits only (what a first token needs)."""
+    device = next(hf.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hf(ids, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+def long_prompt(length: int, seed: int = 0) -> list[int]:
+    """A prompt of `length` token ids, the same for both arms (random ids: the forward's cost does not read them)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 49152, (length,), generator=g).tolist()
 
 
 def drain(engine: LLMEngine, bar: tqdm | None = None) -> dict[str, RequestOutput]:
@@ -227,6 +264,8 @@ def run_throughput(
     *,
     num_prompts: int,
     output_len: int,
+    batch_sizes: list[int] | None = None,
+    prefill_lens: list[int] | None = None,
     dataset_path: str | None = None,
     chat: bool = True,
     hf: bool = True,
@@ -235,16 +274,22 @@ def run_throughput(
 ) -> dict[str, Any]:
     """Run both arms (or dspark alone) and return the result dict that `--output-json` writes.
 
-    With repeats > 1 the arms alternate round by round (so a noisy neighbour hits both alike); each arm reports its
-    median round, and the ratio is the median of the per-round ratios.
+    Decode: for each batch size B (default: the engine's max_num_seqs), the prompts with at most B in flight in
+    dspark and in static batches of B in transformers; output tokens/s. Prefill: for each prompt length N, dspark's
+    time to the first token of one N-token prompt against transformers' forward over it. With repeats > 1 the arms
+    alternate round by round (so a noisy neighbour hits both alike); each arm reports its median round, and the ratio
+    is the median of the per-round ratios. The top-level dspark / hf / ratio are the first batch size's.
     """
     if isinstance(output_len, bool) or not isinstance(output_len, int) or output_len < 1:
         raise ConfigError("output_len", output_len, "must be a positive integer")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError("repeats", repeats, "must be a positive integer")
+    batch_sizes = batch_sizes or [config.max_num_seqs]
+    for b in batch_sizes:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ConfigError("batch_size", b, "must be a positive integer")
     prompts = load_prompts(dataset_path, num_prompts)
-    batch_size = config.max_num_seqs
-    llm = LLM(**dataclasses.asdict(config))
+    llm = LLM(**dataclasses.asdict(dataclasses.replace(config, max_num_seqs=max(batch_sizes))))
     engine = llm.engine
     prompt_ids = tokenize(llm, prompts, chat)
     longest = max(len(p) for p in prompt_ids)
@@ -254,25 +299,67 @@ def run_throughput(
             output_len,
             f"the longest prompt ({longest} tokens) plus output_len must fit max_model_len={engine.max_model_len}",
         )
+    for n in prefill_lens or []:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < engine.max_model_len:
+            raise ConfigError("prefill_len", n, f"an integer in [1, max_model_len - 1 = {engine.max_model_len - 1}]")
 
     hf_model = build_hf_model(engine.model, engine.device, engine.dtype) if hf else None
     pad = engine.tokenizer.pad_token_id
     pad = engine.eos_token_id if pad is None else pad
-    ds_runs: list[ArmResult] = []
-    hf_runs: list[ArmResult] = []
+    ds_runs: dict[int, list[ArmResult]] = {b: [] for b in batch_sizes}
+    hf_runs: dict[int, list[ArmResult]] = {b: [] for b in batch_sizes}
+    ttft: dict[int, list[float]] = {n: [] for n in prefill_lens or []}
+    forward: dict[int, list[float]] = {n: [] for n in prefill_lens or []}
     for _ in range(repeats):
-        engine.kv.reset_prefix_cache()  # every round starts cold, as the first did
-        ds_runs.append(run_dspark(engine, prompt_ids, output_len))
-        if hf_model is not None:
-            hf_runs.append(run_hf(hf_model, prompt_ids, output_len, batch_size, pad))
-    dspark_arm = _median_run(ds_runs)
-    hf_arm = _median_run(hf_runs) if hf_runs else None
-    ratio = (
-        statistics.median(d.output_throughput / h.output_throughput for d, h in zip(ds_runs, hf_runs, strict=True))
-        if hf_runs
-        else None
-    )
+        for b in batch_sizes:
+            engine.kv.reset_prefix_cache()  # every round starts cold, as the first did
+            ds_runs[b].append(run_dspark(engine, prompt_ids, output_len, b))
+            if hf_model is not None:
+                hf_runs[b].append(run_hf(hf_model, prompt_ids, output_len, b, pad))
+        for n in prefill_lens or []:
+            prompt = long_prompt(n)
+            ttft[n].append(dspark_ttft(engine, prompt))
+            if hf_model is not None:
+                forward[n].append(hf_forward(hf_model, prompt))
 
+    decode = []
+    for b in batch_sizes:
+        dspark_arm = _median_run(ds_runs[b])
+        hf_arm = _median_run(hf_runs[b]) if hf_runs[b] else None
+        ratio = (
+            statistics.median(
+                d.output_throughput / h.output_throughput for d, h in zip(ds_runs[b], hf_runs[b], strict=True)
+            )
+            if hf_runs[b]
+            else None
+        )
+        decode.append(
+            {
+                "batch_size": b,
+                "dspark": {
+                    **dspark_arm.to_json(),
+                    "rounds_output_throughput": [r.output_throughput for r in ds_runs[b]],
+                },
+                "hf": {**hf_arm.to_json(), "rounds_output_throughput": [r.output_throughput for r in hf_runs[b]]}
+                if hf_arm
+                else None,
+                "ratio": ratio,
+                "greedy_agreement": greedy_agreement(dspark_arm.outputs, hf_arm.outputs) if hf_arm else None,
+            }
+        )
+    prefill = [
+        {
+            "prompt_len": n,
+            "dspark_ttft_s": statistics.median(ttft[n]),
+            "rounds_dspark_ttft_s": ttft[n],
+            "hf_forward_s": statistics.median(forward[n]) if forward[n] else None,
+            "rounds_hf_forward_s": forward[n],
+            # the paired rounds' median of transformers' forward over dspark's first token: >= 1 means no slower
+            "ratio": statistics.median(f / t for f, t in zip(forward[n], ttft[n], strict=True)) if forward[n] else None,
+        }
+        for n in prefill_lens or []
+    ]
+    first = decode[0]
     return {
         "command": command,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -280,26 +367,27 @@ def run_throughput(
         "config": {
             "model": config.model,
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "batch_invariant": config.batch_invariant,
             "dataset": dataset_path or "builtin",
             "num_prompts": num_prompts,
             "num_unique_prompts": len(set(prompts)),
             "output_len": output_len,
-            "batch_size": batch_size,
+            "batch_size": batch_sizes[0],
+            "batch_sizes": batch_sizes,
+            "prefill_lens": prefill_lens or [],
             "chat": chat,
             "enable_prefix_caching": config.enable_prefix_caching,
             "total_input_tokens": sum(len(p) for p in prompt_ids),
         },
         "repeats": repeats,
-        "dspark": {
-            **dspark_arm.to_json(),
-            "rounds_output_throughput": [r.output_throughput for r in ds_runs],
-            "engine_metrics": engine.get_metrics(),
-        },
-        "hf": {**hf_arm.to_json(), "rounds_output_throughput": [r.output_throughput for r in hf_runs]}
-        if hf_arm
-        else None,
-        "ratio": ratio,
-        "greedy_agreement": greedy_agreement(dspark_arm.outputs, hf_arm.outputs) if hf_arm else None,
+        "dspark": {**first["dspark"], "engine_metrics": engine.get_metrics()},
+        "hf": first["hf"],
+        "ratio": first["ratio"],
+        "greedy_agreement": first["greedy_agreement"],
+        "decode": decode,
+        "prefill": prefill,
+        # time to first token at the longest prompt over that at the shortest: what grows with the prompt
+        "prefill_growth": prefill[-1]["dspark_ttft_s"] / prefill[0]["dspark_ttft_s"] if len(prefill) > 1 else None,
     }
 
 
@@ -308,11 +396,22 @@ def _median_run(runs: list[ArmResult]) -> ArmResult:
 
 
 def summary_line(result: dict[str, Any]) -> str:
-    cfg, ds, hf = result["config"], result["dspark"], result["hf"]
-    line = f"dspark {ds['output_throughput']:.1f} tok/s"
-    if hf is not None:
-        line += f" | hf {hf['output_throughput']:.1f} tok/s | ratio {result['ratio']:.2f}x"
+    cfg = result["config"]
+    parts = []
+    for row in result.get("decode") or [{"batch_size": cfg["batch_size"], **result}]:
+        ds, hf = row["dspark"], row["hf"]
+        part = f"batch {row['batch_size']}: dspark {ds['output_throughput']:.1f} tok/s"
+        if hf is not None:
+            part += f", hf {hf['output_throughput']:.1f}, {row['ratio']:.2f}x"
+        parts.append(part)
+    for row in result.get("prefill") or []:
+        part = f"prefill {row['prompt_len']}: first token {row['dspark_ttft_s']:.2f} s"
+        if row["hf_forward_s"] is not None:
+            part += f", hf forward {row['hf_forward_s']:.2f} s, {row['ratio']:.2f}x"
+        parts.append(part)
+    if result.get("prefill_growth") is not None:
+        parts.append(f"growth {result['prefill_growth']:.2f}x")
     return (
-        f"{line} ({cfg['num_prompts']} prompts x {cfg['output_len']} tokens, batch {cfg['batch_size']}, "
-        f"{cfg['dtype']}, {result['machine']['device']})"
+        f"{' | '.join(parts)} ({cfg['num_prompts']} prompts x {cfg['output_len']} tokens, {cfg['dtype']}, "
+        f"{result['machine']['device']})"
     )

@@ -42,14 +42,20 @@ examples:
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from dspark.bench.throughput import run_throughput, summary_line
 
-    if args.batch_size < 1:
-        raise ConfigError("batch_size", args.batch_size, "must be a positive integer")
-    config = engine_config(args, max_num_seqs=args.batch_size)
+    for b in args.batch_size:
+        if b < 1:
+            raise ConfigError("batch_size", b, "must be a positive integer")
+    for n in args.prefill_len or []:
+        if n < 1:
+            raise ConfigError("prefill_len", n, "must be a positive integer")
+    config = engine_config(args, max_num_seqs=max(args.batch_size))
     output = output_path(args.output_json)
     result = run_throughput(
         config,
         num_prompts=args.num_prompts,
         output_len=args.output_len,
+        batch_sizes=args.batch_size,
+        prefill_lens=args.prefill_len,
         dataset_path=args.dataset_path,
         chat=args.chat,
         hf=args.hf,
@@ -119,8 +125,18 @@ def add_parser(subparsers: Any) -> None:
         "--batch-size",
         metavar="B",
         type=int,
-        default=16,
-        help="most sequences in flight: dspark's max_num_seqs, transformers' static batch (default: %(default)s)",
+        nargs="+",
+        default=[16],
+        help="most sequences in flight: dspark's concurrency, transformers' static batch; one decode row each "
+        "(default: 16)",
+    )
+    g.add_argument(
+        "--prefill-len",
+        metavar="N",
+        type=int,
+        nargs="+",
+        help="also time the first token of one N-token prompt against transformers' forward over it, one row each "
+        "(default: none)",
     )
     g.add_argument(
         "--dataset-path",

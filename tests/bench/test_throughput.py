@@ -46,9 +46,9 @@ def test_bench_throughput_json(
     argv = ["bench", "throughput", "--model", str(tiny_model_dirs["llama"]), *SMALL, "--output-json", str(out)]
     assert main(argv) == 0
     summary = capsys.readouterr().out.strip().splitlines()
-    assert len(summary) == 1 and "ratio" in summary[0]
-
     result = json.loads(out.read_text())
+    assert len(summary) == 1 and summary[0].startswith("batch 2: dspark") and f"{result['ratio']:.2f}x" in summary[0]
+
     assert result["command"].startswith("dspark bench throughput --model")
     assert {"cpu_count", "torch_version", "device"} <= result["machine"].keys()
     assert result["config"]["total_input_tokens"] > 0 and result["config"]["chat"] is True
@@ -58,6 +58,27 @@ def test_bench_throughput_json(
         assert result[arm]["elapsed_s"] > 0 and result[arm]["output_throughput"] > 0
     assert result["ratio"] == pytest.approx(result["dspark"]["output_throughput"] / result["hf"]["output_throughput"])
     assert result["greedy_agreement"]["identical_outputs"] == 4
+
+
+def test_bench_throughput_batch_sizes_and_prefill(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """One decode row per batch size and one prefill row per prompt length, each against transformers."""
+    out = tmp_path / "tp.json"
+    argv = ["bench", "throughput", "--model", str(tiny_model_dirs["llama"]), *SMALL[:4], "--num-kv-blocks", "128"]
+    argv += ["--batch-size", "1", "3", "--prefill-len", "16", "64", "--output-json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [row["batch_size"] for row in result["decode"]] == [1, 3]
+    for row in result["decode"]:
+        assert row["dspark"]["output_tokens"] == row["hf"]["output_tokens"] == 4 * 8
+        assert row["greedy_agreement"]["identical_outputs"] == 4
+    assert result["dspark"]["output_throughput"] == result["decode"][0]["dspark"]["output_throughput"]
+    assert [row["prompt_len"] for row in result["prefill"]] == [16, 64]
+    for row in result["prefill"]:
+        assert row["dspark_ttft_s"] > 0 and row["hf_forward_s"] > 0
+        assert row["ratio"] == pytest.approx(row["hf_forward_s"] / row["dspark_ttft_s"])  # one round: no median
+    assert result["prefill_growth"] == pytest.approx(
+        result["prefill"][1]["dspark_ttft_s"] / result["prefill"][0]["dspark_ttft_s"]
+    )
 
 
 def test_bench_throughput_without_hf(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -74,6 +95,8 @@ def test_bench_throughput_without_hf(tiny_model_dirs: dict[str, Path], tmp_path:
         (["--num-prompts", "0"], "num_prompts"),
         (["--output-len", "0"], "output_len"),
         (["--batch-size", "0"], "batch_size"),
+        (["--batch-size", "2", "-1"], "batch_size"),
+        (["--prefill-len", "0"], "prefill_len"),
         (["--dataset-path", "/no/such.jsonl"], "dataset_path"),
         (["--output-json", "/no/such/dir/x.json"], "output_json"),
         (["--model", "/no/such/model"], "/no/such/model"),
