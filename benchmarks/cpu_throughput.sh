@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# CPU throughput, dspark vs Hugging Face transformers generate (same prompts, weights and run), for the README:
-# 3 rounds with the arms alternating, medians reported. Batch 1 uses 8 prompts to keep the run short.
-# Usage: bash benchmarks/cpu_throughput.sh   (writes benchmarks/results/cpu-throughput-<dtype>-b<B>.json)
+# CPU throughput and prefill, dspark against Hugging Face transformers (same prompts, weights and run): decode at batch
+# 1 and 16 (16 prompts x 64 tokens, EOS ignored, greedy) and the first token of a 2,000- and an 8,000-token prompt
+# against transformers' forward over it; 3 rounds with the arms alternating, medians of paired ratios.
+# Usage: bash benchmarks/cpu_throughput.sh   (writes benchmarks/results/cpu/<date>-<commit>/throughput-<dtype>.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for dtype in float32 bfloat16; do
-  for batch in 16 1; do
-    prompts=$(( batch == 1 ? 8 : 16 ))
-    .venv/bin/dspark bench throughput --num-prompts "$prompts" --output-len 64 --batch-size "$batch" \
-      --dtype "$dtype" --repeats 3 --output-json "benchmarks/results/cpu-throughput-$dtype-b$batch.json"
-  done
+out="benchmarks/results/cpu/$(date -u +%F)-$(git rev-parse --short HEAD)"
+mkdir -p "$out"
+for dtype in bfloat16 float32; do
+  .venv/bin/dspark bench throughput --dtype "$dtype" --num-prompts 16 --output-len 64 --batch-size 1 16 \
+    --prefill-len 2000 8000 --repeats 3 --output-json "$out/throughput-$dtype.json"
 done
