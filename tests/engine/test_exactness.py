@@ -12,6 +12,16 @@ import torch
 from dspark import LLM, SamplingParams
 from helpers import FAMILIES
 
+# The default (fast) CPU path in bf16 against transformers in fp32 (docs/numerics.md): logits within this fraction of
+# the row's largest logit, and the argmax agreeing at least this often over the positions checked.
+BF16_LOGIT_TOL = 0.06
+BF16_ARGMAX_AGREEMENT = 0.90
+CHATS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Explain photosynthesis to a ten-year-old.",
+]
+
 
 def _capture_logits(llm: LLM) -> list[torch.Tensor]:
     """Record the first sampled row's logits at every step (single-request runs)."""
@@ -79,11 +89,33 @@ def test_smollm2_matches_transformers(smollm2_path: Path, invariant: bool) -> No
         str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
     ).eval()
     llm = LLM(dtype="float32", max_model_len=1024, batch_invariant=invariant)
-    chats = [
-        "What is the capital of France?",
-        "Write a Python function that reverses a string.",
-        "Explain photosynthesis to a ten-year-old.",
-    ]
-    prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+    prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
     worst = _check_against_hf(llm, hf, prompts, new_tokens=64)
     print(f"SmolLM2-135M fp32: worst relative logit error {worst:.2e}")
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_fast_path_within_tolerance(smollm2_path: Path) -> None:
+    """bf16 in the default mode, teacher-forced on its own greedy tokens, against transformers in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+    llm = LLM(dtype="bfloat16", max_model_len=1024, batch_invariant=False)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    errors, agree = [], []
+    for chat in CHATS:
+        prompt = llm.apply_chat_template([{"role": "user", "content": chat}])
+        seen = _capture_logits(llm)
+        out = llm.generate([prompt], params)[0].outputs[0]
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :].float()
+        ours = torch.stack(seen[-64:]).float()
+        assert ours.argmax(-1).tolist() == out.token_ids  # the captured rows are the ones it decoded from
+        errors.append(((ours - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item())
+        agree.append((ours.argmax(-1) == ref.argmax(-1)).float())
+    agreement = torch.cat(agree).mean().item()
+    print(f"SmolLM2-135M bf16, fast: worst relative logit error {max(errors):.3f}, argmax agreement {agreement:.3f}")
+    assert max(errors) < BF16_LOGIT_TOL
+    assert agreement >= BF16_ARGMAX_AGREEMENT
