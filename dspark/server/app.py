@@ -29,6 +29,7 @@ from dspark.server.chat import create_chat_completion
 from dspark.server.completions import create_completion
 from dspark.server.errors import APIError, error_response, from_validation_error, install_handlers, invalid
 from dspark.server.metrics import CONTENT_TYPE, ServerMetrics
+from dspark.server.process_engine import ProcessEngine
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from dspark.server.serving import ServedModel
 
@@ -38,16 +39,17 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def build_app(
-    engine: LLMEngine,
+    engine: LLMEngine | ProcessEngine,
     served_model_names: list[str],
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
-    """An app serving `engine` under `served_model_names` (the first is the default). The engine thread starts with
-    the app's lifespan and stops with it; the app owns the engine from then on."""
+    """An app serving `engine` under `served_model_names` (the first is the default): an LLMEngine in this process
+    (driven by a thread) or a ProcessEngine (its core in another process). The engine starts with the app's lifespan
+    and stops with it; the app owns the engine from then on."""
     if not served_model_names:
         raise ConfigError("served_model_name", served_model_names, "at least one name")
-    async_engine = AsyncEngine(engine)
+    async_engine = engine if isinstance(engine, ProcessEngine) else AsyncEngine(engine)
     served = ServedModel(async_engine, ServerMetrics(async_engine), list(dict.fromkeys(served_model_names)))
 
     @asynccontextmanager
@@ -67,6 +69,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if async_engine.starting:
+            return error_response(503, "the engine is starting (loading the model)")
         if not async_engine.alive:
             return error_response(503, "the engine is not running; the server log says why")
         return JSONResponse({"status": "ok"})
@@ -84,8 +88,9 @@ def build_app(
     @v1.get("/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())
+        max_model_len = served.processor().max_model_len  # 503 while the engine is starting
         cards = [
-            ModelCard(id=name, created=created, root=engine.config.model, max_model_len=engine.max_model_len)
+            ModelCard(id=name, created=created, root=async_engine.model, max_model_len=max_model_len)
             for name in served.names
         ]
         return ModelList(data=cards).model_dump()

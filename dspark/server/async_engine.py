@@ -15,6 +15,8 @@ waiting handler gets an EngineDeadError and /health turns 503.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import itertools
 import logging
 import queue
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dspark.config import SamplingParams
+from dspark.engine.input_processor import InputProcessor
 from dspark.engine.llm_engine import LLMEngine
 from dspark.errors import DSparkError
 from dspark.outputs import RequestOutput
@@ -36,7 +39,11 @@ class EngineError(DSparkError):
 
 
 class EngineDeadError(EngineError):
-    """The engine thread has stopped (shut down, or died): no request can run."""
+    """The engine has stopped (shut down, or died): no request can run."""
+
+
+class EngineStartingError(EngineDeadError):
+    """The engine is still loading: no request can run yet (a 503 too, with its own words)."""
 
 
 class RequestGroup:
@@ -52,6 +59,8 @@ class RequestGroup:
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
         self._unfinished = set(range(len(request_ids)))
         self._closed = False
+        self.unread_finals: list[RequestOutput] = []  # filled by close()
+        self._pending: collections.deque[tuple[int, RequestOutput] | BaseException] = collections.deque()
 
     def __aiter__(self) -> RequestGroup:
         return self
@@ -59,7 +68,15 @@ class RequestGroup:
     async def __anext__(self) -> tuple[int, RequestOutput]:
         if not self._unfinished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item = self._pending.popleft() if self._pending else await self._queue.get()
+        # A reader that fell behind (a slow client) gets one request's queued stream outputs as one: fewer, larger
+        # chunks rather than a growing backlog. Only deltas are queued unfinished (streams), so they merge.
+        while not isinstance(item, BaseException) and not item[1].finished and not self._queue.empty():
+            following = self._queue.get_nowait()
+            if isinstance(following, BaseException) or following[0] != item[0]:
+                self._pending.append(following)
+                break
+            item = (item[0], merge_deltas(item[1], following[1]))
         if isinstance(item, BaseException):
             self._unfinished.clear()  # the engine has dropped them all
             raise item
@@ -75,11 +92,33 @@ class RequestGroup:
         if self._closed:
             return 0
         self._closed = True
+        # Outputs the engine delivered that the handler never read: those requests finished, they are not aborted.
+        while self._pending or not self._queue.empty():
+            item = self._pending.popleft() if self._pending else self._queue.get_nowait()
+            if isinstance(item, BaseException):
+                break
+            index, out = item
+            if out.finished and index in self._unfinished:
+                self._unfinished.discard(index)
+                self.unread_finals.append(out)
         num_aborted = len(self._unfinished)
         if num_aborted:
             self._engine.abort([self.request_ids[i] for i in sorted(self._unfinished)])
             self._unfinished.clear()
         return num_aborted
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive delta outputs of one request as one: text, tokens and logprobs joined; the later state kept."""
+    a, b = first.outputs[0], then.outputs[0]
+    logprobs = (a.logprobs or []) + (b.logprobs or []) if a.logprobs is not None or b.logprobs is not None else None
+    merged = dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=logprobs)
+    return dataclasses.replace(
+        then,
+        outputs=[merged],
+        new_text=first.new_text + then.new_text,
+        new_token_ids=first.new_token_ids + then.new_token_ids,
+    )
 
 
 @dataclass
@@ -127,6 +166,18 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    @property
+    def starting(self) -> bool:
+        return False  # the engine was built before the app
+
+    @property
+    def model(self) -> str:
+        return self.engine.config.model
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        return self.engine.input_processor
 
     def metrics(self) -> dict[str, Any]:
         """get_metrics() as of the last step (a snapshot the engine thread takes, so reading it never races a step)."""

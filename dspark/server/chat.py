@@ -19,12 +19,9 @@ from dspark.server.logprobs import chat_logprobs
 from dspark.server.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    Delta,
 )
 from dspark.server.serving import (
     EventStream,
@@ -33,8 +30,9 @@ from dspark.server.serving import (
     collect,
     events,
     fan_out,
+    running_usage,
     sampling_params,
-    sse,
+    sse_json,
     unsupported,
     usage,
 )
@@ -55,6 +53,7 @@ async def create_chat_completion(served: ServedModel, body: ChatCompletionReques
     else:
         max_tokens, rename = body.max_tokens, {}
     params = sampling_params(body, max_tokens, num_top, {**rename, "logprobs": "top_logprobs"})
+    served.check_length(len(prompt), max_tokens, rename.get("max_tokens", "max_tokens"), "messages")
     # A stream gets each step's additions only ("delta"); a whole response one output per request, at its end
     # ("final_only"): the engine builds no per-step outputs, and copies no request's whole output every step.
     params = dataclasses.replace(params, output_kind="delta" if body.stream else "final_only")
@@ -109,36 +108,42 @@ async def _chunks(
     response_id: str,
     model: str,
     created: int,
-) -> AsyncIterator[str]:
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+) -> AsyncIterator[str | bytes]:
+    options = body.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+    head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
-    def chunk(choices: list[ChatChunkChoice], **extra: Any) -> str:
-        data = ChatCompletionChunk(id=response_id, created=created, model=model, choices=choices, **extra)
-        payload = data.model_dump(mode="json", exclude=None if include_usage else {"usage"})
-        for choice in payload["choices"]:  # OpenAI's deltas carry only what they set
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-        return sse(payload)
+    def chunk(choices: list[dict[str, Any]], usage_now: dict[str, Any] | None = None) -> bytes:
+        # OpenAI: usage is null in every chunk but the last, if asked for (continuous: a choice's usage so far)
+        payload = {**head, "choices": choices}
+        if include_usage or continuous:
+            payload["usage"] = usage_now
+        return sse_json(payload)
+
+    def choice(i: int, delta: dict[str, str], logprobs: ChatLogprobs | None, out: RequestOutput | None) -> dict:
+        c = out.outputs[0] if out is not None and out.finished else None
+        return {
+            "index": i,
+            "delta": delta,  # OpenAI's deltas carry only what they set
+            "logprobs": logprobs.model_dump(mode="json") if logprobs is not None else None,
+            "finish_reason": c.finish_reason if c is not None else None,
+            "stop_reason": c.stop_reason if c is not None else None,
+        }
 
     # OpenAI opens every choice with the assistant's role and empty content.
-    yield chunk([ChatChunkChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(body.n)])
+    yield chunk([choice(i, {"role": "assistant", "content": ""}, None, None) for i in range(body.n)])
     finals: dict[int, RequestOutput] = {}
     async for i, out in group:
-        c = out.outputs[0]
         logprobs = None
-        if num_top is not None and c.logprobs is not None and out.new_token_ids:
-            new = c.logprobs  # a delta output's logprobs: the new tokens' only
+        if num_top is not None and out.outputs[0].logprobs is not None and out.new_token_ids:
+            new = out.outputs[0].logprobs  # a delta output's logprobs: the new tokens' only
             logprobs = ChatLogprobs(content=chat_logprobs(out.new_token_ids, new, num_top))
         if out.finished:
             finals[i] = out
             served.metrics.finished(out)
         if out.new_text or out.finished or logprobs is not None:
-            choice = ChatChunkChoice(
-                index=i,
-                delta=Delta(content=out.new_text) if out.new_text else Delta(),
-                logprobs=logprobs,
-                finish_reason=c.finish_reason if out.finished else None,
-                stop_reason=c.stop_reason if out.finished else None,
-            )
-            yield chunk([choice])
+            delta = {"content": out.new_text} if out.new_text else {}
+            yield chunk([choice(i, delta, logprobs, out)], running_usage(len(prompt), out) if continuous else None)
     if include_usage:
-        yield chunk([], usage=usage([prompt], finals))
+        yield chunk([], usage([prompt], finals).model_dump(mode="json"))

@@ -68,6 +68,14 @@ def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -
         default=16 << 20,
         help="largest request body accepted; larger ones get 413 (default: %(default)s, 16 MiB)",
     )
+    g.add_argument(
+        "--core-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core (scheduler, model, speculative decoding) in its own process, as vLLM does, so the "
+        "step loop never waits on HTTP; --no-core-process keeps it in the server's process, on a thread "
+        "(default: %(default)s)",
+    )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -85,6 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from dspark.engine.llm_engine import LLMEngine
     from dspark.server.app import build_app
+    from dspark.server.process_engine import ProcessEngine
 
     if args.model_tag is not None:
         if args.model not in (DEFAULT_MODEL, args.model_tag):
@@ -97,7 +106,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     config = engine_config(args)  # validated before the port is taken or the model loads
     sock = _bind(args.host, args.port)
-    engine = LLMEngine(config)
+    # With a core process the HTTP server is up at once (/health answers 503 while the core loads the model);
+    # in-process, the engine is built first.
+    engine = ProcessEngine(config) if args.core_process else LLMEngine(config)
     names = served_model_names(args.model, args.served_model_name)
     app = build_app(engine, names, api_key=api_key, max_body_bytes=args.max_request_bytes)
     host, port = sock.getsockname()[:2]

@@ -6,6 +6,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -22,8 +23,10 @@ from dspark.server.serving import (
     collect,
     events,
     fan_out,
+    running_usage,
     sampling_params,
     sse,
+    sse_json,
     unsupported,
     usage,
 )
@@ -34,6 +37,8 @@ async def create_completion(served: ServedModel, body: CompletionRequest, reques
     model = served.model_name(body.model)
     prompts = [_prompt_ids(served, p) for p in body.prompts()]
     params = sampling_params(body, body.max_tokens, body.logprobs)
+    for ids in prompts:
+        served.check_length(len(ids), body.max_tokens, "max_tokens", "prompt")
     # A stream gets each step's additions only ("delta"); a whole response one output per request, at its end
     # ("final_only"): the engine builds no per-step outputs, and copies no request's whole output every step.
     params = dataclasses.replace(params, output_kind="delta" if body.stream else "final_only")
@@ -58,7 +63,7 @@ def _prompt_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         ids = served.encode(prompt)
     else:
-        vocab = served.engine.vocab_size
+        vocab = served.processor().vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise invalid("prompt", bad, f"token ids must be in [0, {vocab})")
@@ -85,9 +90,12 @@ async def _chunks(
     response_id: str,
     model: str,
     created: int,
-) -> AsyncIterator[str]:
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    exclude = None if include_usage else {"usage"}  # OpenAI: usage is null in every chunk but the last, if asked for
+) -> AsyncIterator[str | bytes]:
+    options = body.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+    head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
+    num_samples = len(group.request_ids) // len(prompts)
     offsets: dict[int, int] = {}
     finals: dict[int, RequestOutput] = {}
     async for i, out in group:
@@ -100,15 +108,20 @@ async def _chunks(
             finals[i] = out
             served.metrics.finished(out)
         if out.new_text or out.finished or logprobs is not None:
-            choice = CompletionChoice(
-                index=i,
-                text=out.new_text,
-                logprobs=logprobs,
-                finish_reason=c.finish_reason if out.finished else None,
-                stop_reason=c.stop_reason if out.finished else None,
-            )
-            chunk = CompletionResponse(id=response_id, created=created, model=model, choices=[choice])
-            yield sse(chunk.model_dump_json(exclude=exclude))
+            choice = {
+                "index": i,
+                "text": out.new_text,
+                "logprobs": logprobs.model_dump(mode="json") if logprobs is not None else None,
+                "finish_reason": c.finish_reason if out.finished else None,
+                "stop_reason": c.stop_reason if out.finished else None,
+            }
+            payload: dict[str, Any] = {**head, "choices": [choice]}
+            # OpenAI: usage is null in every chunk but the last, if asked for (continuous: the choice's so far)
+            if continuous:
+                payload["usage"] = running_usage(len(prompts[i // num_samples]), out)
+            elif include_usage:
+                payload["usage"] = None
+            yield sse_json(payload)
     if include_usage:
         last = CompletionResponse(
             id=response_id, created=created, model=model, choices=[], usage=usage(prompts, finals)

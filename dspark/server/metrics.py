@@ -16,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dspark.outputs import RequestOutput
 from dspark.server.async_engine import AsyncEngine
+from dspark.server.process_engine import ProcessEngine
 
 PREFIX = "dspark:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -124,15 +125,12 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine | ProcessEngine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.success = Counter(
-            PREFIX + "request_success",
-            "Requests finished, by finish reason (stop, length; abort: the client went away or the engine failed).",
-            ["finished_reason"],
-            registry=r,
-        )
+        # Finished requests by reason, as handlers saw them finish; "abort" is the engine's own count (_EngineCollector)
+        # so that request_success_total{finished_reason="abort"} and num_requests_aborted_total agree.
+        self.finish_reasons: dict[str, int] = {}
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS, registry=r
         )
@@ -154,12 +152,13 @@ class ServerMetrics:
         self.generation_tokens = Histogram(
             PREFIX + "request_generation_tokens", "Output tokens per request.", buckets=TOKEN_BUCKETS, registry=r
         )
-        r.register(_EngineCollector(engine))
+        r.register(_EngineCollector(engine, self.finish_reasons))
 
     def finished(self, out: RequestOutput) -> None:
         """One finished request's latencies, from the engine's own timestamps."""
         m = out.metrics
-        self.success.labels(out.outputs[0].finish_reason or "unknown").inc()
+        reason = out.outputs[0].finish_reason or "unknown"
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
         self.prompt_tokens.observe(m.num_prompt_tokens)
         self.generation_tokens.observe(m.num_generation_tokens)
         if m.ttft is not None:
@@ -171,27 +170,34 @@ class ServerMetrics:
         if m.first_token_time is not None and m.finished_time is not None and m.num_generation_tokens > 1:
             self.tpot.observe((m.finished_time - m.first_token_time) / (m.num_generation_tokens - 1))
 
-    def aborted(self, num_requests: int) -> None:
-        if num_requests:
-            self.success.labels("abort").inc(num_requests)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine | ProcessEngine, finish_reasons: dict[str, int]) -> None:
         self.engine = engine
+        self.finish_reasons = finish_reasons
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.engine.metrics()
+        success = CounterMetricFamily(
+            PREFIX + "request_success",
+            "Requests finished, by finish reason (stop, length; abort: the client went away or the engine failed).",
+            labels=["finished_reason"],
+        )
+        for reason, count in {**self.finish_reasons, "abort": snapshot.get("num_requests_aborted", 0)}.items():
+            success.add_metric([reason], count)
+        yield success
         yield CounterMetricFamily(
             PREFIX + "engine_step_errors",
             "Engine steps that raised (their requests failed; the log has the tracebacks).",
             value=self.engine.num_step_errors,
         )
         yield GaugeMetricFamily(
-            PREFIX + "engine_alive", "1 while the engine thread runs, 0 once it has stopped.", value=self.engine.alive
+            PREFIX + "engine_alive",
+            "1 while the engine runs, 0 while it starts and once it has stopped.",
+            value=self.engine.alive,
         )
         for key, value in snapshot.items():
             yield from _families(key, value)

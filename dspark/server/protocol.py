@@ -25,6 +25,9 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: usage in every chunk (its choice's tokens so far), for clients that count tokens when one chunk carries
+    # several (accepted drafts, or steps merged for a slow reader)
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(_Request):
@@ -167,10 +170,15 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):

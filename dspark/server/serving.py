@@ -12,18 +12,20 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from dspark.config import SamplingParams
-from dspark.engine.input_processor import ContextLengthError
+from dspark.engine.input_processor import ContextLengthError, InputProcessor
 from dspark.errors import ConfigError
 from dspark.outputs import RequestOutput
 from dspark.server.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestGroup
 from dspark.server.errors import APIError, error_json, from_config_error, invalid
 from dspark.server.metrics import ServerMetrics
-from dspark.server.protocol import SamplingRequest, Usage
+from dspark.server.process_engine import ProcessEngine
+from dspark.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 
 logger = logging.getLogger("dspark.server")
 
@@ -47,7 +49,7 @@ SAMPLING_FIELDS = (
 
 @dataclass
 class ServedModel:
-    engine: AsyncEngine
+    engine: AsyncEngine | ProcessEngine
     metrics: ServerMetrics
     names: list[str]  # names a request may use; the first is the one /v1/models lists first and responses default to
 
@@ -63,10 +65,18 @@ class ServedModel:
             )
         return requested
 
+    def processor(self) -> InputProcessor:
+        """The engine's input processor; 503 while the engine is starting or after it has stopped."""
+        try:
+            return self.engine.input_processor
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+
     def check_prompt(self, ids: list[int], param: str) -> None:
         """The engine's own prompt checks (engine/input_processor.py), answered as OpenAI's API answers them."""
+        processor = self.processor()
         try:
-            self.engine.engine.input_processor.check_prompt(ids, param)
+            processor.check_prompt(ids, param)
         except ContextLengthError as e:
             raise APIError(
                 400,
@@ -78,8 +88,21 @@ class ServedModel:
         except ConfigError as e:
             raise invalid(param, "", e.allowed) from None
 
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str, prompt_param: str) -> None:
+        """vLLM's answer to a max_tokens that does not fit beside the prompt: a 400 with the numbers (not a cut)."""
+        limit = self.processor().max_model_len
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_param}, {max_tokens} in "
+                f"the completion). Please reduce the length of the {prompt_param} or {param}.",
+                param,
+                "context_length_exceeded",
+            )
+
     def encode(self, text: str) -> list[int]:
-        return self.engine.engine.input_processor.encode(text)
+        return self.processor().encode(text)
 
 
 def sampling_params(
@@ -123,16 +146,30 @@ async def add(
 
 
 def usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usage:
+    """Choice k is prompt k // n's sample k % n (n = choices per prompt)."""
     prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, however many samples it has (as OpenAI)
     # From the metrics, not the final outputs' token ids: a stream's final output ("delta") holds its last ones
     completion_tokens = sum(o.metrics.num_generation_tokens for o in finals.values())
+    n = max(1, len(finals) // max(1, len(prompts)))
+    cached = sum(finals[k].metrics.num_cached_tokens for k in range(0, len(finals), n) if k in finals)
     return Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 
+def running_usage(num_prompt_tokens: int, out: RequestOutput) -> dict[str, int]:
+    """stream_options.continuous_usage_stats: one choice's usage so far, in every chunk (as vLLM)."""
+    done = out.metrics.num_generation_tokens
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": done, "total_tokens": num_prompt_tokens + done}
+
+
 def release(served: ServedModel, group: RequestGroup) -> None:
-    served.metrics.aborted(served.engine.release(group))
+    served.engine.release(group)
+    for out in group.unread_finals:  # finished before the handler stopped reading: finished, not aborted
+        served.metrics.finished(out)
 
 
 async def collect(served: ServedModel, group: RequestGroup, request: Request) -> dict[int, RequestOutput]:
@@ -174,9 +211,18 @@ def sse(data: Any) -> str:
     return f"data: {text}\n\n"
 
 
+_encode = msgspec.json.Encoder().encode
+
+
+def sse_json(data: dict[str, Any]) -> bytes:
+    """One event from plain data: a single msgspec encode (compact, UTF-8 as is), no pydantic model on the way. The
+    streams' per-token path."""
+    return b"data: " + _encode(data) + b"\n\n"
+
+
 async def events(
-    served: ServedModel, group: RequestGroup, chunks: Callable[[RequestGroup], AsyncIterator[str]]
-) -> AsyncGenerator[str, None]:
+    served: ServedModel, group: RequestGroup, chunks: Callable[[RequestGroup], AsyncIterator[str | bytes]]
+) -> AsyncGenerator[str | bytes, None]:
     """The event stream of `chunks` over the group, then `data: [DONE]`. An engine failure after the stream has
     started (status 200 already sent) becomes an error event; the group is released however the stream ends."""
     try:
@@ -194,7 +240,7 @@ class EventStream(StreamingResponse):
     leaves, and a generator suspended at a `yield` would otherwise stay open (its requests running) until it is
     garbage-collected."""
 
-    def __init__(self, content: AsyncGenerator[str, None]) -> None:
+    def __init__(self, content: AsyncGenerator[str | bytes, None]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._content = content
 

@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -75,8 +77,16 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tiny_llama: Path) -> None:
             line = lines.get(timeout=120)
             found = re.search(r"dspark serve: (http://127\.0\.0\.1:\d+)/v1 serving tiny, alias \(API key", line)
             url = found.group(1) if found else None
-        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
-            assert json.load(r) == {"status": "ok"}
+        # The port is up before the engine core has loaded the model: 503 ("starting") until it is ready.
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+                    assert json.load(r) == {"status": "ok"}
+                break
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and "starting" in e.read().decode() and time.monotonic() < deadline
+                time.sleep(0.2)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k3y", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny", "alias"]
         out = client.completions.create(model="alias", prompt="hello", max_tokens=3, temperature=0)

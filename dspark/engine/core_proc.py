@@ -1,0 +1,192 @@
+"""The engine core in its own process, as vLLM's EngineCoreProc: the step loop never waits on HTTP, tokenization or
+detokenization, and the front's Python does not share its interpreter lock.
+
+The front binds two ZeroMQ sockets and starts this process, which connects to them: inputs arrive on a PULL socket
+(requests, aborts, stops, shutdown) and outputs leave on a PUSH socket, one message per step with every request's
+news from it. Messages are msgspec msgpack structs (engine/messages.py): token ids only, no pickles.
+
+The loop blocks on its input socket when it has nothing to run (an idle core uses no CPU), and otherwise takes
+whatever has arrived between steps, so an abort reaches the scheduler within one step. A step that raises fails the
+requests it ran (their blocks are freed) and the core goes on serving. The core exits when the front says so, or
+when the front's process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from dspark.config import EngineConfig
+from dspark.engine.messages import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
+
+logger = logging.getLogger("dspark")
+
+METRICS_EVERY_S = 0.1  # the core's counters ride with a step's outputs at most this often (and whenever one finishes)
+
+
+# ---- front -> core ------------------------------------------------------------------------------------------------
+
+
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class StopRequests(msgspec.Struct, tag=True, array_like=True):
+    """The front ended these (a stop string, a fault in its output): (request id, how many of the last tokens it
+    was sent it dropped)."""
+
+    stops: list[tuple[str, int]]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+CoreInput = AddRequests | AbortRequests | StopRequests | Shutdown
+
+
+# ---- core -> front ------------------------------------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    info: EngineCoreInfo
+    pid: int
+
+
+class StartFailed(msgspec.Struct, tag=True, array_like=True):
+    error: str  # the exception, one line; the core's log has the traceback
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
+    outputs: list[EngineCoreOutput]
+    metrics: dict[str, Any] | None = None  # EngineCore.get_metrics(), when due
+
+
+class StepFailed(msgspec.Struct, tag=True, array_like=True):
+    """A step raised: these requests were aborted in the core (blocks freed) and must fail at the front."""
+
+    request_ids: list[str]
+    error: str
+    metrics: dict[str, Any] | None = None
+
+
+CoreMessage = Ready | StartFailed | StepOutputs | StepFailed
+
+input_encoder = msgspec.msgpack.Encoder()
+input_decoder = msgspec.msgpack.Decoder(CoreInput)
+output_encoder = msgspec.msgpack.Encoder()
+output_decoder = msgspec.msgpack.Decoder(CoreMessage)
+
+
+def run_core(config: EngineConfig, input_address: str, output_address: str, front_pid: int) -> None:
+    """The process's entry point (multiprocessing, spawn)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s (core): %(message)s")
+    threading.Thread(target=_exit_with_front, args=(front_pid,), name="front-watch", daemon=True).start()
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.connect(output_address)
+    try:
+        from dspark.engine.core import EngineCore
+
+        core = EngineCore(config)
+    except BaseException as e:
+        logger.critical("the engine core failed to start", exc_info=True)
+        outputs.send(output_encoder.encode(StartFailed(f"{type(e).__name__}: {e}")))
+        outputs.close()
+        ctx.term()
+        raise SystemExit(1) from None
+    outputs.send(output_encoder.encode(Ready(core.info, os.getpid())))
+    try:
+        CoreLoop(core, inputs, outputs).run()
+    finally:
+        inputs.close(linger=0)
+        outputs.close()
+        ctx.term()
+
+
+class CoreLoop:
+    def __init__(self, core: Any, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self._metrics_at = 0.0
+
+    def run(self) -> None:
+        while self._handle(self._receive(block=not self.core.has_unfinished_requests())):
+            if self.core.has_unfinished_requests():
+                self._step()
+            else:
+                self._send(StepOutputs([], self._metrics(force=True)))  # aborts and stops taken while idle
+
+    def _receive(self, block: bool) -> list[CoreInput]:
+        """Block for a message while there is no work; then take whatever has arrived, without waiting."""
+        messages = [input_decoder.decode(self.inputs.recv())] if block else []
+        while True:
+            try:
+                messages.append(input_decoder.decode(self.inputs.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return messages
+
+    def _handle(self, messages: list[CoreInput]) -> bool:
+        core = self.core
+        for msg in messages:
+            if isinstance(msg, AddRequests):
+                for request in msg.requests:
+                    core.add_request(request)
+            elif isinstance(msg, AbortRequests):
+                core.abort_requests(msg.request_ids)
+            elif isinstance(msg, StopRequests):
+                core.stop_requests(msg.stops)
+            else:
+                core.abort_requests(list(core.requests))
+                return False
+        return True
+
+    def _step(self) -> None:
+        core = self.core
+        try:
+            outs = core.step()
+        except Exception as e:
+            logger.exception("an engine step failed; failing the %d requests in flight", len(core.requests))
+            failed = list(core.requests)
+            core.abort_requests(failed)  # frees their blocks; if this raises too, the process dies (loudly)
+            error = f"the engine step failed: {type(e).__name__}: {e}"
+            self._send(StepFailed(failed, error, self._metrics(force=True)))
+            return
+        # The front processes the outputs in its own process, concurrently: the step is over for the planner's timer.
+        core.end_step()
+        finished = any(o.finish_reason is not None for o in outs)
+        self._send(StepOutputs(outs, self._metrics(force=finished)))
+
+    def _metrics(self, force: bool) -> dict[str, Any] | None:
+        now = time.monotonic()
+        if not force and now - self._metrics_at < METRICS_EVERY_S:
+            return None
+        self._metrics_at = now
+        return self.core.get_metrics()
+
+    def _send(self, msg: StepOutputs | StepFailed) -> None:
+        if isinstance(msg, StepFailed) or msg.outputs or msg.metrics is not None:  # not an empty message every step
+            self.outputs.send(output_encoder.encode(msg))
+
+
+def _exit_with_front(front_pid: int) -> None:
+    """The front was killed (no shutdown message can come): a core left behind would hold the device and its memory."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != front_pid:
+            logger.error("the front process is gone; the engine core exits")
+            os._exit(1)
