@@ -1,0 +1,190 @@
+"""The server against the engine it serves, in one run: `dspark serve` (a subprocess, its core in a process of its own)
+and an offline LLMEngine of the same configuration, taking turns at each concurrency for --rounds rounds, on the same
+prompts (completions, the prompt text as is), greedy, --output-len tokens with EOS ignored. Offline: the prompts
+through LLMEngine with at most C in flight (bench/throughput.py's run_dspark). Served: `dspark bench serve`'s client
+(streamed, usage from the last chunk) with --max-concurrency C. Each row: both output throughputs (medians over the
+rounds) and the median of the per-round ratios.
+
+    python benchmarks/serve_goal.py --device cuda --dataset-path .device/data/deepspec_eval/gsm8k.jsonl \
+        --concurrency 1 16 64 256 --rounds 3 --output-json serve-goal.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark.bench.client import Endpoint
+from dspark.bench.serve import run_benchmark
+from dspark.bench.serve_data import sample_prompts
+from dspark.bench.throughput import run_dspark
+from dspark.config import EngineConfig
+from dspark.engine.llm_engine import LLMEngine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return time.monotonic() - start
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise SystemExit(f"the server was not healthy within {timeout:.0f} s")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dataset-path", required=True)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompts-per-concurrency", type=int, default=4, help="C x this many prompts a row (min 8)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="each of the two engines' share")
+    ap.add_argument("--idle-seconds", type=float, default=5.0, help="measure the idle server's CPU this long")
+    ap.add_argument("--output-json", required=True)
+    args = ap.parse_args()
+
+    engine_args = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+    }
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "dspark", "serve", "--port", str(port), "--log-level", "warning"]
+    for key, value in engine_args.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    server = subprocess.Popen(cmd)
+    try:
+        engine = LLMEngine(EngineConfig(**engine_args))
+        ready_s = _wait_healthy(url, server, 600)
+        print(f"server healthy after {ready_s:.1f} s more", flush=True)
+        tokenizer = engine.tokenizer
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        endpoint = Endpoint(url, "openai", "/v1/completions", model)
+        largest = max(args.concurrency)
+        prompts = sample_prompts(
+            "jsonl",
+            max(8, largest * args.prompts_per_concurrency),
+            dataset_path=args.dataset_path,
+            tokenizer=tokenizer,
+            output_len=args.output_len,
+        )
+        ids = [engine.input_processor.encode(p.text) for p in prompts]
+        # Warm both: first shapes, graph replays, the client's connections.
+        run_dspark(engine, ids[:8], 16, concurrency=8)
+        asyncio.run(run_benchmark(endpoint, prompts[:8], ignore_eos=True, max_concurrency=8, progress=False))
+
+        core_pids = _children(server.pid)
+        idle = {}
+        if args.idle_seconds > 0:
+            pids = [server.pid, *core_pids]
+            before = [_cpu_seconds(p) for p in pids]
+            time.sleep(args.idle_seconds)
+            used = [_cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)]
+            idle = {"seconds": args.idle_seconds, "front_cpu_frac": used[0] / args.idle_seconds}
+            idle["core_cpu_frac"] = sum(used[1:]) / args.idle_seconds
+            print(f"idle: front {idle['front_cpu_frac']:.2%} of a core, core {idle['core_cpu_frac']:.2%}", flush=True)
+
+        rows: dict[int, dict[str, list[float]]] = {c: {"offline": [], "served": []} for c in args.concurrency}
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                n = max(8, c * args.prompts_per_concurrency)
+                off = run_dspark(engine, ids[:n], args.output_len, concurrency=c)
+                srv = asyncio.run(
+                    run_benchmark(endpoint, prompts[:n], ignore_eos=True, max_concurrency=c, progress=False)
+                )
+                if srv["failed"]:
+                    print(f"C={c}: {srv['failed']} requests failed: {srv['errors'][:3]}", flush=True)
+                offline_tps = off.output_throughput
+                rows[c]["offline"].append(offline_tps)
+                rows[c]["served"].append(srv["output_throughput"])
+                print(
+                    f"round {r} C={c}: offline {offline_tps:.1f} tok/s, served {srv['output_throughput']:.1f} "
+                    f"({srv['output_throughput'] / offline_tps:.2f}x), served median TPOT {srv['median_tpot_ms']:.2f}"
+                    f" ms, {srv['completed']} requests",
+                    flush=True,
+                )
+        table = []
+        for c, row in rows.items():
+            ratios = [s / o for s, o in zip(row["served"], row["offline"], strict=True)]
+            table.append(
+                {
+                    "concurrency": c,
+                    "offline_tok_s": statistics.median(row["offline"]),
+                    "served_tok_s": statistics.median(row["served"]),
+                    "ratio": statistics.median(ratios),
+                    "rounds": row,
+                }
+            )
+        result: dict[str, Any] = {
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": " ".join([sys.executable, *sys.argv]),
+            "machine": {
+                "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+            },
+            "engine": {**engine_args, "dtype": str(engine.dtype)},
+            "output_len": args.output_len,
+            "idle": idle,
+            "rows": table,
+        }
+        Path(args.output_json).write_text(json.dumps(result, indent=1))
+        for row in table:
+            print(
+                f"C={row['concurrency']}: offline {row['offline_tok_s']:.1f} tok/s, served {row['served_tok_s']:.1f}, "
+                f"ratio {row['ratio']:.2f}x"
+            )
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
