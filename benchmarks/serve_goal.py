@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
@@ -52,6 +53,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> fl
             with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
                 if r.status == 200:
                     return time.monotonic() - start
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or b"starting" not in e.read():
+                raise SystemExit(f"the server's engine failed: HTTP {e.code}") from None
         except OSError:
             pass
         time.sleep(0.25)
@@ -96,9 +100,14 @@ def main() -> int:
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     server = subprocess.Popen(cmd)
     try:
-        engine = LLMEngine(EngineConfig(**engine_args))
+        # The server first: an engine sizes its KV cache from the memory free when it starts, so the offline one,
+        # built second, may use up to the server's share plus its own.
         ready_s = _wait_healthy(url, server, 600)
-        print(f"server healthy after {ready_s:.1f} s more", flush=True)
+        print(f"server healthy after {ready_s:.1f} s", flush=True)
+        offline_args = dict(engine_args)
+        if args.device == "cuda":
+            offline_args["gpu_memory_utilization"] = min(0.95, 2 * args.gpu_memory_utilization)
+        engine = LLMEngine(EngineConfig(**offline_args))
         tokenizer = engine.tokenizer
         with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
             model = json.loads(r.read())["data"][0]["id"]

@@ -105,6 +105,7 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, fron
     except BaseException as e:
         logger.critical("the engine core failed to start", exc_info=True)
         outputs.send(output_encoder.encode(StartFailed(f"{type(e).__name__}: {e}")))
+        inputs.close(linger=0)  # every socket closed, or term() waits for ever
         outputs.close()
         ctx.term()
         raise SystemExit(1) from None

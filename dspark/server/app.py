@@ -10,6 +10,7 @@ as in vLLM, for load balancers and scrapers.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from dspark import __version__
 from dspark.engine.llm_engine import LLMEngine
 from dspark.errors import ConfigError
-from dspark.server.async_engine import AsyncEngine
+from dspark.server.async_engine import AsyncEngine, EngineDeadError
 from dspark.server.chat import create_chat_completion
 from dspark.server.completions import create_completion
 from dspark.server.errors import APIError, error_response, from_validation_error, install_handlers, invalid
@@ -43,19 +44,31 @@ def build_app(
     served_model_names: list[str],
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    on_start_failure: Callable[[], None] | None = None,
 ) -> FastAPI:
     """An app serving `engine` under `served_model_names` (the first is the default): an LLMEngine in this process
     (driven by a thread) or a ProcessEngine (its core in another process). The engine starts with the app's lifespan
-    and stops with it; the app owns the engine from then on."""
+    and stops with it; the app owns the engine from then on. on_start_failure: called if a ProcessEngine's core fails
+    to start (`dspark serve` then exits)."""
     if not served_model_names:
         raise ConfigError("served_model_name", served_model_names, "at least one name")
     async_engine = engine if isinstance(engine, ProcessEngine) else AsyncEngine(engine)
     served = ServedModel(async_engine, ServerMetrics(async_engine), list(dict.fromkeys(served_model_names)))
 
+    async def watch_start() -> None:
+        try:
+            await async_engine.wait_ready()
+        except EngineDeadError:  # the core could not start (the log says why): a server that can serve nothing
+            if on_start_failure is not None:
+                on_start_failure()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        watcher = asyncio.ensure_future(watch_start()) if isinstance(async_engine, ProcessEngine) else None
         yield
+        if watcher is not None:
+            watcher.cancel()
         await async_engine.shutdown()
 
     app = FastAPI(title="dspark", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -110,7 +110,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # in-process, the engine is built first.
     engine = ProcessEngine(config) if args.core_process else LLMEngine(config)
     names = served_model_names(args.model, args.served_model_name)
-    app = build_app(engine, names, api_key=api_key, max_body_bytes=args.max_request_bytes)
+    server: Any = None
+    failed = False
+
+    def start_failed() -> None:  # the engine core could not start: stop serving, exit 1 (as vLLM does)
+        nonlocal failed
+        failed = True
+        server.should_exit = True
+
+    app = build_app(
+        engine, names, api_key=api_key, max_body_bytes=args.max_request_bytes, on_start_failure=start_failed
+    )
     host, port = sock.getsockname()[:2]
     logger.info(
         "dspark serve: http://%s:%d/v1 serving %s%s",
@@ -125,6 +135,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again: a normal stop here
         pass
+    if failed:
+        logger.error("dspark serve: the engine failed to start; the log above says why")
+        return 1
     logger.info("dspark serve: stopped")
     return 0
 

@@ -97,3 +97,16 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tiny_llama: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_exits_when_the_engine_core_cannot_start(tiny_llama: Path) -> None:
+    # One KV block cannot hold a 256-token context: the core refuses at start-up, after the port is bound.
+    flags = ["--port", "0", "--dtype", "float32", "--num-kv-blocks", "1", "--max-model-len", "256"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark", "serve", str(tiny_llama), *flags],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 1
+    assert "max_model_len=256 is invalid" in proc.stderr and "the engine failed to start" in proc.stderr
