@@ -10,7 +10,7 @@
 #   source .device/setup.sh && bash benchmarks/gpu/serve_goal.sh
 # It writes serve-goal.json and serve-goal.log under $OUT (default: benchmarks/results/h200).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # dspark from this tree
 OUT=${OUT:-benchmarks/results/h200}
 DATA=${DATA:-.device/data}
 mkdir -p "$OUT"

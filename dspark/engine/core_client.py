@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 import zmq
@@ -31,8 +32,9 @@ logger = logging.getLogger("dspark")
 
 
 class CoreProcessClient:
-    def __init__(self, config: EngineConfig) -> None:
-        """Bind the sockets and start the core process; its Ready (or StartFailed) is the first message read."""
+    def __init__(self, config: EngineConfig, target: Callable[..., None] = run_core) -> None:
+        """Bind the sockets and start the core process; its Ready (or StartFailed) is the first message read.
+        target: the process's entry point, run_core's signature (benchmarks put a stub core there)."""
         self.ctx = zmq.asyncio.Context()
         self._dir = tempfile.mkdtemp(prefix="dspark-core-")
         name = uuid.uuid4().hex[:8]
@@ -47,7 +49,7 @@ class CoreProcessClient:
         # spawn: the front may hold threads (uvicorn, tokenizers) and, on a GPU machine, must not fork a CUDA context.
         spawn = multiprocessing.get_context("spawn")
         self.process: BaseProcess = spawn.Process(
-            target=run_core,
+            target=target,
             args=(config, input_address, output_address, os.getpid()),
             name="dspark-core",
             daemon=True,

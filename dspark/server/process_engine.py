@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dspark.config import EngineConfig, SamplingParams
@@ -30,6 +31,7 @@ from dspark.engine.core_proc import (
     StepFailed,
     StepOutputs,
     StopRequests,
+    run_core,
 )
 from dspark.engine.input_processor import InputProcessor
 from dspark.engine.messages import EngineCoreOutput, EngineCoreRequest
@@ -42,9 +44,11 @@ logger = logging.getLogger("dspark.server")
 
 
 class ProcessEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        """Resolve the model (downloading it where needed) and load its tokenizer; start() starts the core."""
+    def __init__(self, config: EngineConfig, core_target: Callable[..., None] = run_core) -> None:
+        """Resolve the model (downloading it where needed) and load its tokenizer; start() starts the core (the
+        process runs core_target: engine/core_proc.py's run_core, or a benchmark's stub)."""
         self.config = config
+        self._core_target = core_target
         self.model = config.model
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer or config.model))
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -73,7 +77,7 @@ class ProcessEngine:
         self._loop = asyncio.get_running_loop()
         self._ready = asyncio.Event()
         self._started_at = time.monotonic()
-        self._client = CoreProcessClient(self.config)
+        self._client = CoreProcessClient(self.config, self._core_target)
         self._loop.add_reader(self._client.sentinel, self._core_exited)
         self._reader = self._loop.create_task(self._read(), name="dspark-core-reader")
 
