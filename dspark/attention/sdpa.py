@@ -130,7 +130,7 @@ class SdpaAttention:
         mask = None
         if not causal:  # every query sees every key of its request
             mask = torch.ones(1, n, length, dtype=torch.bool, device=device)
-        elif n != length and _FLASH is not None:  # the chunk follows cached keys: see _attend_chunk
+        elif n != length and _FLASH is not None and device.type == "cpu":  # after cached keys: see _attend_chunk
             blocks = self._blocks(tables, [r], length, block_size)
             return _Call(starts[r], n, None, blocks, length, None, None, None, prefix=length - n)
         elif n != length:  # the chunk follows keys already in the cache: query j sees keys up to length - n + j

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -37,6 +38,14 @@ class CoreProcessClient:
         target: the process's entry point, run_core's signature (benchmarks put a stub core there)."""
         self.ctx = zmq.asyncio.Context()
         self._dir = tempfile.mkdtemp(prefix="dspark-core-")
+        try:
+            self._start(config, target)
+        except BaseException:  # nothing left behind: sockets, context, the sockets' directory
+            self.ctx.destroy(linger=0)
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+
+    def _start(self, config: EngineConfig, target: Callable[..., None]) -> None:
         name = uuid.uuid4().hex[:8]
         input_address = f"ipc://{self._dir}/in-{name}"
         output_address = f"ipc://{self._dir}/out-{name}"
@@ -104,6 +113,4 @@ class CoreProcessClient:
         self.inputs.close(0)
         self.outputs.close(0)
         self.ctx.term()
-        for entry in os.listdir(self._dir):
-            os.unlink(os.path.join(self._dir, entry))
-        os.rmdir(self._dir)
+        shutil.rmtree(self._dir, ignore_errors=True)

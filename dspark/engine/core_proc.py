@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -91,6 +92,10 @@ output_decoder = msgspec.msgpack.Decoder(CoreMessage)
 def run_core(config: EngineConfig, input_address: str, output_address: str, front_pid: int) -> None:
     """The process's entry point (multiprocessing, spawn)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s (core): %(message)s")
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group: the front stops the core (a Shutdown
+    # message, after its graceful drain), so the core must not die under the streams still finishing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_front, args=(front_pid,), name="front-watch", daemon=True).start()
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
@@ -160,6 +165,8 @@ class CoreLoop:
         core = self.core
         try:
             outs = core.step()
+            # The front processes the outputs in its own process, concurrently: the step is over for the timer.
+            core.end_step()
         except Exception as e:
             logger.exception("an engine step failed; failing the %d requests in flight", len(core.requests))
             failed = list(core.requests)
@@ -167,8 +174,6 @@ class CoreLoop:
             error = f"the engine step failed: {type(e).__name__}: {e}"
             self._send(StepFailed(failed, error, self._metrics(force=True)))
             return
-        # The front processes the outputs in its own process, concurrently: the step is over for the planner's timer.
-        core.end_step()
         finished = any(o.finish_reason is not None for o in outs)
         self._send(StepOutputs(outs, self._metrics(force=finished)))
 

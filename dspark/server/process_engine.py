@@ -130,6 +130,8 @@ class ProcessEngine:
         if self._stopping:
             return
         self._client.process.join(1.0)  # it has ended (its sentinel says so): reap it for its exit code
+        if self.dead is not None:  # it said why before it exited (StartFailed): keep that reason
+            return
         code = self._client.process.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         self.dead = EngineDeadError(f"the engine core process {how}")
@@ -199,6 +201,7 @@ class ProcessEngine:
             logger.critical("reading the engine core's messages failed", exc_info=True)
             self.dead = EngineDeadError(f"the front failed to read the engine core: {type(e).__name__}: {e}")
             self._fail_all(self.dead)
+            self._client.process.terminate()  # nobody will read what it makes
 
     def _handle(self, messages: list[CoreMessage]) -> None:
         outputs: list[EngineCoreOutput] = []
@@ -241,8 +244,8 @@ class ProcessEngine:
             self._core_metrics = msg.metrics
         error = EngineError(msg.error)
         groups = set()
+        self.output_processor.abort(msg.request_ids)  # counted as aborted, as the in-process engine counts them
         for rid in msg.request_ids:
-            self.output_processor.states.pop(rid, None)
             route = self._routes.pop(rid, None)
             if route is not None:
                 groups.add(route[0])

@@ -110,3 +110,44 @@ def test_serve_exits_when_the_engine_core_cannot_start(tiny_llama: Path) -> None
     )
     assert proc.returncode == 1
     assert "max_model_len=256 is invalid" in proc.stderr and "the engine failed to start" in proc.stderr
+
+
+def test_ctrl_c_to_the_process_group_lets_running_streams_finish(tiny_llama: Path) -> None:
+    # A terminal's Ctrl-C reaches the server and its engine core alike: the core must outlive the graceful drain.
+    flags = ["--port", "0", "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "512"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dspark", "serve", str(tiny_llama), *flags, "--served-model-name", "tiny"],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        url = None
+        while url is None:
+            found = re.search(r"dspark serve: (http://127\.0\.0\.1:\d+)/v1", lines.get(timeout=120))
+            url = found.group(1) if found else None
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=30).close()
+                break
+            except urllib.error.HTTPError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        body = {"model": "tiny", "prompt": "one", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        request = urllib.request.Request(
+            f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as r:
+            events = [next(r).decode()]
+            os.killpg(proc.pid, signal.SIGINT)
+            events += [line.decode() for line in r if line.startswith(b"data:")]
+        last = json.loads(events[-2].removeprefix("data: "))
+        assert events[-1].strip() == "data: [DONE]" and last["choices"][0]["finish_reason"] == "length", events[-2:]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
