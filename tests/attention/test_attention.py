@@ -23,6 +23,7 @@ def _step(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    causal: bool = True,
 ) -> torch.Tensor:
     """reqs: (block ids, first position, number of new tokens); q/k/v: this step's rows, requests back to back."""
     slots, starts, lens = [], [0], []
@@ -41,6 +42,7 @@ def _step(
         seq_lens_cpu=lens,
         max_query_len=max(n for _, _, n in reqs),
         max_seq_len=max(lens),
+        causal=causal,
     )
     backend.prepare(meta, HKV, H, BS)
     return backend.forward(q, k, v, cache, meta, D**-0.5)
@@ -170,26 +172,8 @@ def test_sdpa_equals_the_reference_on_a_non_causal_block() -> None:
         torch.randn(n, HKV, D, generator=g),
         torch.randn(n, HKV, D, generator=g),
     )
-    outs = []
-    for backend in (TorchAttention(), SdpaAttention()):
-        slots, starts, lens = [], [0], []
-        for blocks, first, num in reqs:
-            slots += [blocks[p // BS] * BS + p % BS for p in range(first, first + num)]
-            starts.append(starts[-1] + num)
-            lens.append(first + num)
-        width = max(len(b) for b, _, _ in reqs)
-        meta = AttentionMetadata(
-            num_actual_tokens=n,
-            slot_mapping=torch.tensor(slots),
-            query_start_loc=torch.tensor(starts),
-            seq_lens=torch.tensor(lens),
-            block_tables=torch.tensor([b + [0] * (width - len(b)) for b, _, _ in reqs]),
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=lens,
-            max_query_len=7,
-            max_seq_len=max(lens),
-            causal=False,
-        )
-        backend.prepare(meta, HKV, H, BS)
-        outs.append(backend.forward(q, k, v, KVCache(cache.key.clone(), cache.value.clone()), meta, D**-0.5))
+    outs = [
+        _step(backend, KVCache(cache.key.clone(), cache.value.clone()), reqs, q, k, v, causal=False)
+        for backend in (TorchAttention(), SdpaAttention())
+    ]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -15,13 +15,49 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
 from dspark.cli import main
 from dspark.server.cli import served_model_names
+
+
+@contextmanager
+def _serve(model: Path, flags: list[str], **popen: Any) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
+    """`dspark serve` in a subprocess: (process, base URL, its first log line naming it) once /health says ok (503
+    "starting" until the engine core has loaded the model). Killed, its whole session, if the test left it running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dspark", "serve", str(model), *flags], stderr=subprocess.PIPE, text=True, **popen
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        found = None
+        while found is None:
+            found = re.search(r"dspark serve: (http://127\.0\.0\.1:\d+)/v1.*", lines.get(timeout=120))
+        url = found.group(1)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+                    assert json.load(r) == {"status": "ok"}
+                break
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and "starting" in e.read().decode() and time.monotonic() < deadline
+                time.sleep(0.2)
+        yield proc, url, found.group(0)
+    finally:
+        if proc.poll() is None:
+            if popen.get("start_new_session"):
+                os.killpg(proc.pid, signal.SIGKILL)  # the engine core with it
+            else:
+                proc.kill()
+            proc.wait()
 
 
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:
@@ -63,40 +99,14 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tiny_llama: Path) -> None:
     flags = ["--port", "0", "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256"]
     flags += ["--served-model-name", "tiny", "alias", "--log-level", "warning"]
     env = {**os.environ, "DSPARK_API_KEY": "k3y"}  # the key from the environment, not the command line
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dspark", "serve", str(tiny_llama), *flags],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
-    try:
-        url = None
-        while url is None:
-            line = lines.get(timeout=120)
-            found = re.search(r"dspark serve: (http://127\.0\.0\.1:\d+)/v1 serving tiny, alias \(API key", line)
-            url = found.group(1) if found else None
-        # The port is up before the engine core has loaded the model: 503 ("starting") until it is ready.
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
-                    assert json.load(r) == {"status": "ok"}
-                break
-            except urllib.error.HTTPError as e:
-                assert e.code == 503 and "starting" in e.read().decode() and time.monotonic() < deadline
-                time.sleep(0.2)
+    with _serve(tiny_llama, flags, env=env) as (proc, url, line):
+        assert line.endswith("serving tiny, alias (API key required)")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k3y", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny", "alias"]
         out = client.completions.create(model="alias", prompt="hello", max_tokens=3, temperature=0)
         assert out.usage.completion_tokens == 3
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_exits_when_the_engine_core_cannot_start(tiny_llama: Path) -> None:
@@ -115,27 +125,7 @@ def test_serve_exits_when_the_engine_core_cannot_start(tiny_llama: Path) -> None
 def test_ctrl_c_to_the_process_group_lets_running_streams_finish(tiny_llama: Path) -> None:
     # A terminal's Ctrl-C reaches the server and its engine core alike: the core must outlive the graceful drain.
     flags = ["--port", "0", "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "512"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dspark", "serve", str(tiny_llama), *flags, "--served-model-name", "tiny"],
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
-    try:
-        url = None
-        while url is None:
-            found = re.search(r"dspark serve: (http://127\.0\.0\.1:\d+)/v1", lines.get(timeout=120))
-            url = found.group(1) if found else None
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=30).close()
-                break
-            except urllib.error.HTTPError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+    with _serve(tiny_llama, [*flags, "--served-model-name", "tiny"], start_new_session=True) as (proc, url, _):
         body = {"model": "tiny", "prompt": "one", "max_tokens": 400, "ignore_eos": True, "stream": True}
         request = urllib.request.Request(
             f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -147,7 +137,3 @@ def test_ctrl_c_to_the_process_group_lets_running_streams_finish(tiny_llama: Pat
         last = json.loads(events[-2].removeprefix("data: "))
         assert events[-1].strip() == "data: [DONE]" and last["choices"][0]["finish_reason"] == "length", events[-2:]
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
