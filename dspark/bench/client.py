@@ -20,13 +20,16 @@ import asyncio
 import contextlib
 import json
 import math
+import multiprocessing
 import os
+import queue
 import random
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from tqdm import tqdm
@@ -37,6 +40,8 @@ BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 # One request may legitimately take long (a long generation behind a deep queue): only a hung server should end it.
 REQUEST_TIMEOUT_S = 6 * 60 * 60
 ERROR_TEXT_CHARS = 300
+
+T = TypeVar("T")
 
 Prompt = str | list[dict[str, str]]  # text for /v1/completions, messages for /v1/chat/completions
 
@@ -282,8 +287,10 @@ async def run_requests(
     seed: int = 0,
     desc: str = "requests",
     progress: bool = True,
+    on_done: Callable[[], None] | None = None,
 ) -> Run:
-    """Send every input, each when its arrival time comes and a concurrency slot is free; wait for all."""
+    """Send every input, each when its arrival time comes and a concurrency slot is free; wait for all. on_done is
+    called as each request ends."""
     check_load(max_concurrency, request_rate)
     offsets = arrival_offsets(len(inputs), request_rate, seed)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
@@ -301,6 +308,8 @@ async def run_requests(
             finally:
                 in_flight -= 1
                 bar.update(1)
+                if on_done is not None:
+                    on_done()
 
     tasks = []
     for req, offset in zip(inputs, offsets, strict=True):
@@ -312,6 +321,120 @@ async def run_requests(
     duration = time.perf_counter() - start
     bar.close()
     return Run(list(results), duration, max_in_flight)
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run, on uvloop where it is installed: a streaming client's cost per chunk is mostly its event loop's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def run_in_workers(
+    endpoint: Endpoint,
+    inputs: list[RequestInput],
+    num_workers: int,
+    *,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    desc: str = "requests",
+    progress: bool = True,
+) -> Run:
+    """run_requests spread over client processes, for loads one Python process cannot read fast enough (a GPU server
+    streaming 10^5 tokens a second, a chunk each). Worker w sends inputs w, w + W, ... with its share of the
+    concurrency (the shares add up to max_concurrency) and of the request rate (independent Poisson processes at
+    rate / W merge into one at the full rate), from seed + w. They start together; the duration runs from the first
+    worker's start to the last one's end (perf_counter is the system's monotonic clock, shared by processes)."""
+    if num_workers < 1:
+        raise ConfigError("num_workers", num_workers, "a positive integer")
+    check_load(max_concurrency, request_rate)
+    workers = min(num_workers, len(inputs), max_concurrency or num_workers)
+    caps = [
+        None if max_concurrency is None else max_concurrency // workers + (w < max_concurrency % workers)
+        for w in range(workers)
+    ]
+    ctx = multiprocessing.get_context("spawn")  # the caller may hold threads (tqdm, a server's loop)
+    start = ctx.Barrier(workers + 1)
+    done = ctx.Value("i", 0)
+    results: Any = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(endpoint, inputs[w::workers], caps[w], request_rate / workers, seed + w, start, done, results, w),
+            name=f"dspark-client-{w}",
+            daemon=True,
+        )
+        for w in range(workers)
+    ]
+    for proc in procs:
+        proc.start()
+    bar = tqdm(total=len(inputs), desc=desc, unit="req", file=sys.stderr, disable=not progress)
+    try:
+        try:
+            start.wait(timeout=120)
+        except threading.BrokenBarrierError:
+            raise DSparkError("the client workers did not start within 120 s") from None
+        shards: dict[int, tuple[list[RequestResult], float, float, int]] = {}
+        while len(shards) < workers:
+            try:
+                w, shard, began, ended, in_flight = results.get(timeout=0.2)
+                shards[w] = (shard, began, ended, in_flight)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise DSparkError(f"client worker {dead[0].name} exited with code {dead[0].exitcode}") from None
+            bar.update(done.value - bar.n)
+    finally:
+        bar.close()
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    ordered: list[RequestResult] = [RequestResult()] * len(inputs)
+    for w, (shard, _, _, _) in shards.items():
+        ordered[w::workers] = shard
+    duration = max(s[2] for s in shards.values()) - min(s[1] for s in shards.values())
+    return Run(ordered, duration, sum(s[3] for s in shards.values()))
+
+
+def _worker(
+    endpoint: Endpoint,
+    inputs: list[RequestInput],
+    max_concurrency: int | None,
+    request_rate: float,
+    seed: int,
+    start: Any,
+    done: Any,
+    results: Any,
+    index: int,
+) -> None:
+    async def main() -> tuple[Run, float]:
+        async with open_session(max_concurrency) as session:
+            start.wait()
+            began = time.perf_counter()
+            run = await run_requests(
+                session,
+                endpoint,
+                inputs,
+                max_concurrency=max_concurrency,
+                request_rate=request_rate,
+                seed=seed,
+                progress=False,
+                on_done=lambda: _increment(done),
+            )
+            return run, began
+
+    run, began = run_async(main())
+    results.put((index, run.results, began, began + run.duration, run.max_in_flight))
+
+
+def _increment(counter: Any) -> None:
+    with counter.get_lock():
+        counter.value += 1
 
 
 def check_load(max_concurrency: int | None, request_rate: float) -> None:

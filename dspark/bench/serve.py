@@ -11,6 +11,7 @@ not draft.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +25,7 @@ from dspark.bench.client import (
     RequestResult,
     fetch_metrics,
     open_session,
+    run_in_workers,
     run_requests,
 )
 from dspark.bench.serve_data import ServePrompt
@@ -82,24 +84,39 @@ async def run_benchmark(
     seed: int = 0,
     num_warmups: int = 0,
     progress: bool = True,
+    num_workers: int = 1,
 ) -> dict[str, Any]:
-    """Run the prompts against the server; the result JSON with the per-request lists (DETAILED_FIELDS) included."""
+    """Run the prompts against the server; the result JSON with the per-request lists (DETAILED_FIELDS) included.
+    num_workers > 1 spreads the requests over that many client processes (client.run_in_workers)."""
     inputs = request_inputs(prompts, temperature, ignore_eos)
     async with open_session(max_concurrency) as session:
         if num_warmups > 0:
             warm = [inputs[i % len(inputs)] for i in range(num_warmups)]
             await run_requests(session, endpoint, warm, max_concurrency=max_concurrency, desc="warmup", progress=False)
         before = spec_decode_counters(await fetch_metrics(session, endpoint.base_url, endpoint.api_key))
-        run = await run_requests(
-            session,
-            endpoint,
-            inputs,
-            max_concurrency=max_concurrency,
-            request_rate=request_rate,
-            seed=seed,
-            desc="bench serve",
-            progress=progress,
-        )
+        if num_workers > 1:
+            run = await asyncio.to_thread(
+                run_in_workers,
+                endpoint,
+                inputs,
+                num_workers,
+                max_concurrency=max_concurrency,
+                request_rate=request_rate,
+                seed=seed,
+                desc="bench serve",
+                progress=progress,
+            )
+        else:
+            run = await run_requests(
+                session,
+                endpoint,
+                inputs,
+                max_concurrency=max_concurrency,
+                request_rate=request_rate,
+                seed=seed,
+                desc="bench serve",
+                progress=progress,
+            )
         after = spec_decode_counters(await fetch_metrics(session, endpoint.base_url, endpoint.api_key))
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -111,6 +128,7 @@ async def run_benchmark(
         "max_concurrency": max_concurrency,
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",  # JSON has no infinity
         "max_concurrent_requests": run.max_in_flight,
+        "num_client_workers": num_workers,
         **benchmark_metrics(run.results, run.duration),
         **spec_decode_stats(before, after),
         "input_lens": [r.prompt_tokens for r in run.results],

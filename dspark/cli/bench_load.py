@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 from pathlib import Path
 from typing import Any
 
-from dspark.bench.client import add_server_args, endpoint_from_args, open_session
+from dspark.bench.client import add_server_args, endpoint_from_args, open_session, run_async
 from dspark.bench.load import LoadSettings, run_load, summary_line
 from dspark.cli.common import Formatter
 from dspark.utils.results import write_json
@@ -80,7 +79,7 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
         server_pid=args.server_pid,
     )
-    result = asyncio.run(_load(args, settings))
+    result = run_async(_load(args, settings))
     result["command"] = getattr(args, "command_line", "")
     write_json(Path(args.output_json) if args.output_json else None, result)
     print(summary_line(result))

@@ -4,13 +4,12 @@ vllm bench serve does (bench/serve.py measures, bench/client.py talks to the ser
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from dspark.bench.client import add_server_args, check_load, endpoint_from_args, open_session
+from dspark.bench.client import add_server_args, check_load, endpoint_from_args, open_session, run_async
 from dspark.bench.serve import DETAILED_FIELDS, default_result_filename, run_benchmark, summary_table
 from dspark.bench.serve_data import DATASETS, load_client_tokenizer, sample_prompts
 from dspark.cli.common import Formatter
@@ -51,6 +50,14 @@ def add_parser(subparsers: Any) -> None:
         default=math.inf,
         help="requests per second, Poisson arrivals from --seed; inf sends all at once (default: inf)",
     )
+    g.add_argument(
+        "--num-workers",
+        metavar="W",
+        type=int,
+        default=1,
+        help="client processes: one Python process reads at most ~50k chunks/s; a GPU server streaming more needs "
+        "several, or the client is what gets measured (default: %(default)s)",
+    )
     g.add_argument("--num-warmups", metavar="N", type=int, default=0, help="untimed requests first (default: 0)")
     g.add_argument("--seed", metavar="N", type=int, default=0, help="arrivals, shuffling, random prompts (default: 0)")
     g = p.add_argument_group("requests")
@@ -74,7 +81,7 @@ def add_parser(subparsers: Any) -> None:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.save_result and not Path(args.result_dir).is_dir():
         raise ConfigError("result_dir", args.result_dir, "an existing directory")
-    result = asyncio.run(_bench(args))
+    result = run_async(_bench(args))
     if not args.save_detailed:
         for key in DETAILED_FIELDS:
             del result[key]
@@ -94,6 +101,8 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     check_load(args.max_concurrency, args.request_rate)
     if args.num_prompts < 1:
         raise ConfigError("num_prompts", args.num_prompts, "a positive integer")
+    if args.num_workers < 1:
+        raise ConfigError("num_workers", args.num_workers, "a positive integer")
     if args.num_warmups < 0:
         raise ConfigError("num_warmups", args.num_warmups, "0 or more")
     async with open_session(1) as session:
@@ -122,6 +131,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         num_warmups=args.num_warmups,
         progress=not args.disable_tqdm,
+        num_workers=args.num_workers,
     )
     return {
         **result,

@@ -4,12 +4,11 @@ MT-bench answers checked for degeneration (evals/mtbench.py)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 from typing import Any
 
-from dspark.bench.client import add_server_args, endpoint_from_args, open_session
+from dspark.bench.client import add_server_args, endpoint_from_args, open_session, run_async
 from dspark.cli.common import Formatter
 from dspark.errors import ConfigError
 from dspark.evals import gsm8k, mtbench
@@ -96,7 +95,7 @@ def cmd_eval_gsm8k(args: argparse.Namespace) -> int:
             progress=not args.disable_tqdm,
         )
 
-    result = asyncio.run(main())
+    result = run_async(main())
     result.update(data_path=args.data_path, train_path=args.train_path, command=getattr(args, "command_line", ""))
     first_error = result["questions"][0]["error"]
     if not args.save_detailed:
@@ -155,7 +154,7 @@ def cmd_eval_mtbench(args: argparse.Namespace) -> int:
             progress=not args.disable_tqdm,
         )
 
-    result = asyncio.run(main())
+    result = run_async(main())
     result.update(data_path=args.data_path, command=getattr(args, "command_line", ""))
     if output is None:
         output = Path(f"mtbench-{Path(result['model_id']).name or 'model'}-{result['date']}.json")

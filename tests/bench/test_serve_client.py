@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from fake_openai_server import ACCEPTED_PER_POS, DRAFTS, MODEL, Behaviour, FakeServer, serve
 
-from dspark.bench.client import BACKENDS, Endpoint, _sse_data, arrival_offsets, server_root
+from dspark.bench.client import BACKENDS, Endpoint, _sse_data, arrival_offsets, run_in_workers, server_root
 from dspark.bench.serve import DETAILED_FIELDS, run_benchmark, summary_table
-from dspark.bench.serve_data import WORDS, sample_prompts
+from dspark.bench.serve_data import WORDS, ServePrompt, sample_prompts
 from dspark.bench.spec_metrics import parse_samples, spec_decode_counters, spec_decode_stats
 from dspark.cli import main
 from dspark.errors import ConfigError
@@ -128,6 +128,21 @@ def test_max_concurrency_is_respected(fake: FakeServer) -> None:
     result = bench(fake, Behaviour(ttft_s=0.05, itl_s=0.01, num_chunks=4), num_prompts=10, max_concurrency=3)
     assert result["completed"] == 10
     assert fake.peak_in_flight == 3 and result["max_concurrent_requests"] == 3
+
+
+def test_client_workers_share_the_load_and_keep_the_input_order(fake: FakeServer) -> None:
+    fake.reset(Behaviour(ttft_s=0.05, itl_s=0.01, answer=lambda body: (f" echo {body['prompt']}", "stop")))
+    endpoint = Endpoint(fake.url, "openai", BACKENDS["openai"], MODEL)
+    prompts = [ServePrompt(f"prompt {i}", None, 4) for i in range(11)]
+    result = asyncio.run(run_benchmark(endpoint, prompts, progress=False, max_concurrency=5, num_workers=3))
+    assert (result["completed"], result["failed"], result["num_client_workers"]) == (11, 0, 3)
+    assert [t.strip() for t in result["generated_texts"]] == [f"echo prompt {i}" for i in range(11)]
+    assert len(fake.bodies) == 11 and 3 <= fake.peak_in_flight <= 5  # the shares (2, 2, 1) add up to 5
+    assert result["max_concurrent_requests"] <= 5
+    # every request waited >= 50 ms for its first chunk, so the run took at least the 3 waves of the busiest worker
+    assert result["duration"] >= 3 * 0.05 and result["mean_ttft_ms"] >= 50
+    with pytest.raises(ConfigError, match="num_workers"):
+        run_in_workers(endpoint, [], 0)
 
 
 def test_request_rate_paces_arrivals(fake: FakeServer) -> None:
