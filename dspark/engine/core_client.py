@@ -3,6 +3,9 @@ read its messages, know when it is gone, stop it.
 
 asyncio-first (zmq.asyncio), for the server's event loop: reading blocks nothing and polls nothing, and the process's
 sentinel tells the loop the moment the core dies.
+
+One of several API servers does not start the core: it attaches to the one the launcher started
+(server/api_servers.py), binding its own pair of sockets, and learns of the core's end from a pidfd (Linux).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import select
 import shutil
 import tempfile
 import uuid
@@ -33,47 +37,93 @@ logger = logging.getLogger("dspark")
 
 
 class CoreProcessClient:
-    def __init__(self, config: EngineConfig, target: Callable[..., None] = run_core) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None,
+        target: Callable[..., None] = run_core,
+        attach: tuple[str, str, int] | None = None,
+    ) -> None:
         """Bind the sockets and start the core process; its Ready (or StartFailed) is the first message read.
-        target: the process's entry point, run_core's signature (benchmarks put a stub core there)."""
+        target: the process's entry point, run_core's signature (benchmarks put a stub core there).
+        attach: (input address, output address, core pid) of a core another process started: bind those, start
+        nothing; the core's owner stops it."""
         self.ctx = zmq.asyncio.Context()
-        self._dir = tempfile.mkdtemp(prefix="dspark-core-")
+        self.process: BaseProcess | None = None
+        self._pidfd: int | None = None
+        self._dir: str | None = None
         try:
-            self._start(config, target)
+            if attach is None:
+                assert config is not None
+                self._dir = tempfile.mkdtemp(prefix="dspark-core-")
+                name = uuid.uuid4().hex[:8]
+                self._bind(f"ipc://{self._dir}/in-{name}", f"ipc://{self._dir}/out-{name}")
+                self._start(config, target)
+            else:
+                input_address, output_address, self.pid = attach
+                self._pidfd = os.pidfd_open(self.pid)  # readable once the process ends; ours is not its parent
+                self._bind(input_address, output_address)
         except BaseException:  # nothing left behind: sockets, context, the sockets' directory
             self.ctx.destroy(linger=0)
-            shutil.rmtree(self._dir, ignore_errors=True)
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+            if self._pidfd is not None:
+                os.close(self._pidfd)
             raise
 
-    def _start(self, config: EngineConfig, target: Callable[..., None]) -> None:
-        name = uuid.uuid4().hex[:8]
-        input_address = f"ipc://{self._dir}/in-{name}"
-        output_address = f"ipc://{self._dir}/out-{name}"
+    def _bind(self, input_address: str, output_address: str) -> None:
+        self.input_address, self.output_address = input_address, output_address
         self.inputs = self.ctx.socket(zmq.PUSH)
         self.inputs.setsockopt(zmq.LINGER, 0)
         self.inputs.bind(input_address)
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.LINGER, 0)
         self.outputs.bind(output_address)
+
+    def _start(self, config: EngineConfig, target: Callable[..., None]) -> None:
         # spawn: the front may hold threads (uvicorn, tokenizers) and, on a GPU machine, must not fork a CUDA context.
         spawn = multiprocessing.get_context("spawn")
-        self.process: BaseProcess = spawn.Process(
+        self.process = spawn.Process(
             target=target,
-            args=(config, input_address, output_address, os.getpid()),
+            args=(config, self.input_address, self.output_address, os.getpid()),
             name="dspark-core",
             daemon=True,
         )
         self.process.start()
-        logger.info("engine core process started (pid %d)", self.process.pid)
+        assert self.process.pid is not None
+        self.pid = self.process.pid
+        logger.info("engine core process started (pid %d)", self.pid)
+
+    @property
+    def owns_core(self) -> bool:
+        return self.process is not None
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive()
+        if self.process is not None:
+            return self.process.is_alive()
+        assert self._pidfd is not None
+        return not select.select([self._pidfd], [], [], 0)[0]
 
     @property
     def sentinel(self) -> int:
         """A file descriptor that becomes readable when the core process ends."""
-        return self.process.sentinel
+        if self.process is not None:
+            return self.process.sentinel
+        assert self._pidfd is not None
+        return self._pidfd
+
+    def how_it_ended(self) -> str:
+        """Once the core has ended: how, for the log and the clients' errors."""
+        if self.process is None:  # not our child: its exit code is its launcher's to know (and log)
+            return f"(pid {self.pid}) has exited"
+        self.process.join(1.0)  # it has ended (its sentinel says so): reap it for its exit code
+        code = self.process.exitcode
+        return f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+
+    def terminate(self) -> None:
+        """Stop a core nobody can read any more (ours only: an attached front leaves that to the launcher)."""
+        if self.process is not None:
+            self.process.terminate()
 
     def send(self, msg: CoreInput) -> None:
         """Queue an input for the core (ZeroMQ sends it in the background; never blocks the loop)."""
@@ -91,8 +141,8 @@ class CoreProcessClient:
                 return messages
 
     def request_shutdown(self) -> None:
-        """Ask the core to stop (its requests are aborted); from the event loop."""
-        if self.process.is_alive():
+        """Ask the core to stop (its requests are aborted); from the event loop. Only the core's owner does."""
+        if self.process is not None and self.process.is_alive():
             try:
                 self.send(Shutdown())
             except zmq.ZMQError:
@@ -101,16 +151,20 @@ class CoreProcessClient:
     def close(self, timeout: float = 10.0) -> None:
         """Wait for the core to stop (after request_shutdown), terminating it past the timeout; then close the
         sockets. Blocks: run it in a thread from the event loop."""
-        if self.process.is_alive():
-            self.process.join(timeout)
-        if self.process.is_alive():
+        process = self.process
+        if process is not None and process.is_alive():
+            process.join(timeout)
+        if process is not None and process.is_alive():
             logger.error("the engine core did not stop within %.0f s; terminating it", timeout)
-            self.process.terminate()
-            self.process.join(5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
+            process.terminate()
+            process.join(5)
+        if process is not None and process.is_alive():
+            process.kill()
+            process.join(5)
         self.inputs.close(0)
         self.outputs.close(0)
         self.ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        if self._pidfd is not None:
+            os.close(self._pidfd)

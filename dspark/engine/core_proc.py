@@ -5,6 +5,10 @@ The front binds two ZeroMQ sockets and starts this process, which connects to th
 (requests, aborts, stops, shutdown) and outputs leave on a PUSH socket, one message per step with every request's
 news from it. Messages are msgspec msgpack structs (engine/messages.py): token ids only, no pickles.
 
+With several API servers (`dspark serve --api-server-count N`, server/api_servers.py) the core's PULL socket connects
+to every front's input socket (and the launcher's), and it has one PUSH socket per front: a request's outputs go to
+the front that added it (AddRequests.front), the core's counters and Ready to all of them.
+
 The loop blocks on its input socket when it has nothing to run (an idle core uses no CPU), and otherwise takes
 whatever has arrived between steps, so an abort reaches the scheduler within one step. A step that raises fails the
 requests it ran (their blocks are freed) and the core goes on serving. The core exits when the front says so, or
@@ -36,6 +40,7 @@ METRICS_EVERY_S = 0.1  # the core's counters ride with a step's outputs at most 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
     requests: list[EngineCoreRequest]
+    front: int = 0  # which API server's output socket their outputs go to
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -89,53 +94,67 @@ output_encoder = msgspec.msgpack.Encoder()
 output_decoder = msgspec.msgpack.Decoder(CoreMessage)
 
 
-def run_core(config: EngineConfig, input_address: str, output_address: str, front_pid: int) -> None:
-    """The process's entry point (multiprocessing, spawn)."""
+def run_core(
+    config: EngineConfig, input_addresses: str | list[str], output_addresses: str | list[str], parent_pid: int
+) -> None:
+    """The process's entry point (multiprocessing, spawn): inputs from every input address, outputs to front i at
+    output address i. The core exits with its parent (the front, or the launcher of several)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s (core): %(message)s")
     # Ctrl-C and a service manager's SIGTERM reach the whole process group: the front stops the core (a Shutdown
     # message, after its graceful drain), so the core must not die under the streams still finishing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_front, args=(front_pid,), name="front-watch", daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = ctx.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.LINGER, 2000)
-    outputs.connect(output_address)
+    for address in [input_addresses] if isinstance(input_addresses, str) else input_addresses:
+        inputs.connect(address)
+    outputs = []
+    for address in [output_addresses] if isinstance(output_addresses, str) else output_addresses:
+        outputs.append(ctx.socket(zmq.PUSH))
+        outputs[-1].setsockopt(zmq.LINGER, 2000)
+        outputs[-1].connect(address)  # connected (not bound): a message waits for a front not yet up
     try:
         from dspark.engine.core import EngineCore
 
         core = EngineCore(config)
     except BaseException as e:
         logger.critical("the engine core failed to start", exc_info=True)
-        outputs.send(output_encoder.encode(StartFailed(f"{type(e).__name__}: {e}")))
-        inputs.close(linger=0)  # every socket closed, or term() waits for ever
-        outputs.close()
-        ctx.term()
+        failed = output_encoder.encode(StartFailed(f"{type(e).__name__}: {e}"))
+        for socket in outputs:
+            socket.send(failed)
+        _close(ctx, inputs, outputs)
         raise SystemExit(1) from None
-    outputs.send(output_encoder.encode(Ready(core.info, os.getpid())))
+    ready = output_encoder.encode(Ready(core.info, os.getpid()))
+    for socket in outputs:
+        socket.send(ready)
     try:
         CoreLoop(core, inputs, outputs).run()
     finally:
-        inputs.close(linger=0)
-        outputs.close()
-        ctx.term()
+        _close(ctx, inputs, outputs)
+
+
+def _close(ctx: zmq.Context, inputs: zmq.Socket, outputs: list[zmq.Socket]) -> None:
+    inputs.close(linger=0)  # every socket closed, or term() waits for ever
+    for socket in outputs:
+        socket.close()
+    ctx.term()
 
 
 class CoreLoop:
-    def __init__(self, core: Any, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+    def __init__(self, core: Any, inputs: zmq.Socket, outputs: zmq.Socket | list[zmq.Socket]) -> None:
         self.core = core
         self.inputs = inputs
-        self.outputs = outputs
+        self.outputs = outputs if isinstance(outputs, list) else [outputs]
         self._metrics_at = 0.0
+        self._front_of: dict[str, int] = {}  # request id -> the front it came from (kept with several fronts)
 
     def run(self) -> None:
         while self._handle(self._receive(block=not self.core.has_unfinished_requests())):
             if self.core.has_unfinished_requests():
                 self._step()
             else:
-                self._send(StepOutputs([], self._metrics(force=True)))  # aborts and stops taken while idle
+                self._send([], self._metrics(force=True))  # aborts and stops taken while idle
 
     def _receive(self, block: bool) -> list[CoreInput]:
         """Block for a message while there is no work; then take whatever has arrived, without waiting."""
@@ -152,10 +171,14 @@ class CoreLoop:
             if isinstance(msg, AddRequests):
                 for request in msg.requests:
                     core.add_request(request)
+                if len(self.outputs) > 1:
+                    self._front_of.update((r.request_id, msg.front) for r in msg.requests)
             elif isinstance(msg, AbortRequests):
                 core.abort_requests(msg.request_ids)
+                self._forget(msg.request_ids)
             elif isinstance(msg, StopRequests):
                 core.stop_requests(msg.stops)
+                self._forget([rid for rid, _ in msg.stops])
             else:
                 core.abort_requests(list(core.requests))
                 return False
@@ -172,10 +195,18 @@ class CoreLoop:
             failed = list(core.requests)
             core.abort_requests(failed)  # frees their blocks; if this raises too, the process dies (loudly)
             error = f"the engine step failed: {type(e).__name__}: {e}"
-            self._send(StepFailed(failed, error, self._metrics(force=True)))
+            self._forget(failed)
+            failure = output_encoder.encode(StepFailed(failed, error, self._metrics(force=True)))
+            for socket in self.outputs:  # every front: each fails those it has, and counts the failed step
+                socket.send(failure)
             return
         finished = any(o.finish_reason is not None for o in outs)
-        self._send(StepOutputs(outs, self._metrics(force=finished)))
+        self._send(outs, self._metrics(force=finished))
+
+    def _forget(self, request_ids: list[str]) -> None:
+        if self._front_of:
+            for rid in request_ids:
+                self._front_of.pop(rid, None)
 
     def _metrics(self, force: bool) -> dict[str, Any] | None:
         now = time.monotonic()
@@ -184,15 +215,29 @@ class CoreLoop:
         self._metrics_at = now
         return self.core.get_metrics()
 
-    def _send(self, msg: StepOutputs | StepFailed) -> None:
-        if isinstance(msg, StepFailed) or msg.outputs or msg.metrics is not None:  # not an empty message every step
-            self.outputs.send(output_encoder.encode(msg))
+    def _send(self, outs: list[EngineCoreOutput], metrics: dict[str, Any] | None) -> None:
+        """Each front its requests' outputs; the counters, when due, to every front. No empty message every step."""
+        if len(self.outputs) == 1:
+            if outs or metrics is not None:
+                self.outputs[0].send(output_encoder.encode(StepOutputs(outs, metrics)))
+            return
+        shares: list[list[EngineCoreOutput]] = [[] for _ in self.outputs]
+        front_of = self._front_of
+        for out in outs:
+            front = (
+                front_of.pop(out.request_id, 0) if out.finish_reason is not None else front_of.get(out.request_id, 0)
+            )
+            shares[front].append(out)
+        for socket, share in zip(self.outputs, shares, strict=True):
+            if share or metrics is not None:
+                socket.send(output_encoder.encode(StepOutputs(share, metrics)))
 
 
-def _exit_with_front(front_pid: int) -> None:
-    """The front was killed (no shutdown message can come): a core left behind would hold the device and its memory."""
+def _exit_with_parent(parent_pid: int) -> None:
+    """The front (or the launcher of several) was killed, so no shutdown message can come: a core left behind would
+    hold the device and its memory."""
     while True:
         time.sleep(1.0)
-        if os.getppid() != front_pid:
-            logger.error("the front process is gone; the engine core exits")
+        if os.getppid() != parent_pid:
+            logger.error("the process that started the engine core is gone; the core exits")
             os._exit(1)

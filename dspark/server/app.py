@@ -29,7 +29,7 @@ from dspark.server.async_engine import AsyncEngine, EngineDeadError
 from dspark.server.chat import create_chat_completion
 from dspark.server.completions import create_completion
 from dspark.server.errors import APIError, error_response, from_validation_error, install_handlers, invalid
-from dspark.server.metrics import CONTENT_TYPE, ServerMetrics
+from dspark.server.metrics import CONTENT_TYPE, FrontPeers, ServerMetrics
 from dspark.server.process_engine import ProcessEngine
 from dspark.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from dspark.server.serving import ServedModel
@@ -53,7 +53,10 @@ def build_app(
     if not served_model_names:
         raise ConfigError("served_model_name", served_model_names, "at least one name")
     async_engine = engine if isinstance(engine, ProcessEngine) else AsyncEngine(engine)
-    served = ServedModel(async_engine, ServerMetrics(async_engine), list(dict.fromkeys(served_model_names)))
+    slot = async_engine.slot if isinstance(async_engine, ProcessEngine) else None
+    peers = None if slot is None or slot.count == 1 else FrontPeers(slot.stats_dir, slot.index, slot.count)
+    server_metrics = ServerMetrics(async_engine, peers)
+    served = ServedModel(async_engine, server_metrics, list(dict.fromkeys(served_model_names)))
 
     async def watch_start() -> None:
         try:
@@ -66,9 +69,11 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         watcher = asyncio.ensure_future(watch_start()) if isinstance(async_engine, ProcessEngine) else None
+        publisher = asyncio.ensure_future(server_metrics.publish_forever()) if peers is not None else None
         yield
-        if watcher is not None:
-            watcher.cancel()
+        for task in (watcher, publisher):
+            if task is not None:
+                task.cancel()
         await async_engine.shutdown()
 
     app = FastAPI(title="dspark", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)

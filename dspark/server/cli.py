@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +75,15 @@ def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -
         "step loop never waits on HTTP; --no-core-process keeps it in the server's process, on a thread "
         "(default: %(default)s)",
     )
+    g.add_argument(
+        "--api-server-count",
+        metavar="N",
+        type=int,
+        default=1,
+        help="API server processes on the one engine core (HTTP, tokenization, detokenization, streaming), as vLLM's "
+        "flag: one API server's Python tops out below a GPU's output at high concurrency; 4 keep up with an H200 at "
+        "256 streams (Linux; default: %(default)s)",
+    )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -89,10 +97,8 @@ def served_model_names(model: str, names: list[str] | None) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from dspark.engine.llm_engine import LLMEngine
-    from dspark.server.app import build_app
+    from dspark.server.api_servers import bind, check_count, serve_many, serve_on
     from dspark.server.process_engine import ProcessEngine
 
     if args.model_tag is not None:
@@ -103,57 +109,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("port", args.port, "must be in [0, 65535]")
     if args.max_request_bytes < 1:
         raise ConfigError("max_request_bytes", args.max_request_bytes, "must be a positive integer")
+    check_count(args.api_server_count, args.core_process)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     config = engine_config(args)  # validated before the port is taken or the model loads
-    sock = _bind(args.host, args.port)
-    # With a core process the HTTP server is up at once (/health answers 503 while the core loads the model);
-    # in-process, the engine is built first.
-    engine = ProcessEngine(config) if args.core_process else LLMEngine(config)
+    socks = bind(args.host, args.port, args.api_server_count)
     names = served_model_names(args.model, args.served_model_name)
-    server: Any = None
-    failed = False
-
-    def start_failed() -> None:  # the engine core could not start: stop serving, exit 1 (as vLLM does)
-        nonlocal failed
-        failed = True
-        server.should_exit = True
-
-    app = build_app(
-        engine, names, api_key=api_key, max_body_bytes=args.max_request_bytes, on_start_failure=start_failed
-    )
-    host, port = sock.getsockname()[:2]
+    host, port = socks[0].getsockname()[:2]
     logger.info(
-        "dspark serve: http://%s:%d/v1 serving %s%s",
+        "dspark serve: http://%s:%d/v1 serving %s%s%s",
         f"[{host}]" if ":" in host else host,
         port,
         ", ".join(names),
         " (API key required)" if api_key else "",
+        f" through {args.api_server_count} API servers" if args.api_server_count > 1 else "",
     )
-    # A stream still running at shutdown gets 10 s to finish before uvicorn cancels it (its request is aborted).
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10))
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again: a normal stop here
-        pass
-    if failed:
-        logger.error("dspark serve: the engine failed to start; the log above says why")
-        return 1
+    if args.api_server_count > 1:
+        code = serve_many(config, args.api_server_count, names, api_key, args.max_request_bytes, args.log_level, socks)
+    else:
+        # With a core process the HTTP server is up at once (/health answers 503 while the core loads the model);
+        # in-process, the engine is built first.
+        engine = ProcessEngine(config) if args.core_process else LLMEngine(config)
+        code = serve_on(engine, names, api_key, args.max_request_bytes, args.log_level, socks[0])
+    if code:
+        if args.api_server_count == 1:  # the launcher of several says itself what ended it
+            logger.error("dspark serve: the engine failed to start; the log above says why")
+        return code
     logger.info("dspark serve: stopped")
     return 0
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ConfigError("host", host, f"cannot be resolved ({e.strerror})") from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as e:
-        sock.close()
-        raise ConfigError("port", port, f"cannot bind {host}:{port} ({e.strerror})") from None
-    sock.listen(2048)
-    return sock

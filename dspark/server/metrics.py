@@ -9,22 +9,38 @@ by the handlers when a request ends. Each server has its own CollectorRegistry, 
 
 Engine metrics this file does not know by name still appear, as gauges named `dspark:<key>`, so a metric the planner
 gains later is exported without an edit here.
+
+With several API servers (`--api-server-count`), each counts the requests it served. Each writes its counts (and
+histograms, kept as plain counts for this) to a file of its own, at most every PUBLISH_EVERY_S and only when they
+changed; the server a scrape reaches adds the others' files to its own live counts. So the totals are those of the
+whole server, with the other API servers' part at most PUBLISH_EVERY_S old.
 """
 
 from __future__ import annotations
 
+import asyncio
+import bisect
+import itertools
+import logging
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from dspark.outputs import RequestOutput
 from dspark.server.async_engine import AsyncEngine
 from dspark.server.process_engine import ProcessEngine
 
+logger = logging.getLogger("dspark.server")
+
 PREFIX = "dspark:"
+PUBLISH_EVERY_S = 0.1
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # get_metrics() key -> (name, help). Counters get `_total` appended by the exposition.
@@ -124,35 +140,81 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
+class _Histogram:
+    """A histogram as plain counts (per bucket, not cumulative) and a sum, so that several API servers' add up."""
+
+    def __init__(self, name: str, text: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.text, self.buckets = PREFIX + name, text, buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1  # the first bound >= value: `le` semantics
+        self.sum += value
+
+    def state(self) -> list[float]:
+        return [*self.counts, self.sum]
+
+    def family(self, state: list[float]) -> HistogramMetricFamily:
+        cumulative = list(itertools.accumulate(state[:-1]))
+        bounds = [floatToGoString(b) for b in self.buckets] + ["+Inf"]
+        return HistogramMetricFamily(
+            self.name, self.text, buckets=list(zip(bounds, cumulative, strict=True)), sum_value=state[-1]
+        )
+
+
+class FrontPeers:
+    """The API servers' shared directory of counts: this one's file, and reading the others'."""
+
+    def __init__(self, directory: str, index: int, count: int) -> None:
+        self.dir, self.index, self.count = Path(directory), index, count
+        self._published: dict[str, Any] | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(dict[str, Any])
+
+    def publish(self, state: dict[str, Any]) -> None:
+        if state == self._published:
+            return
+        path = self.dir / f"front-{self.index}.msgpack"
+        temporary = path.with_suffix(".tmp")
+        temporary.write_bytes(self._encoder.encode(state))
+        os.replace(temporary, path)  # atomic: a reader sees the old counts or the new ones, never half a file
+        self._published = state
+
+    def others(self) -> list[dict[str, Any]]:
+        states = []
+        for i in range(self.count):
+            if i == self.index:
+                continue
+            try:
+                states.append(self._decoder.decode((self.dir / f"front-{i}.msgpack").read_bytes()))
+            except FileNotFoundError:  # it has counted nothing yet
+                continue
+            except (OSError, msgspec.DecodeError):
+                logger.warning("cannot read API server %d's metrics; they are left out of this scrape", i)
+        return states
+
+
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine | ProcessEngine) -> None:
+    def __init__(self, engine: AsyncEngine | ProcessEngine, peers: FrontPeers | None = None) -> None:
+        self.engine = engine
+        self.peers = peers
         self.registry = CollectorRegistry()
-        r = self.registry
         # Finished requests by reason, as handlers saw them finish; "abort" is the engine's own count (_EngineCollector)
         # so that request_success_total{finished_reason="abort"} and num_requests_aborted_total agree.
         self.finish_reasons: dict[str, int] = {}
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS, registry=r
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Arrival to finish.", buckets=E2E_BUCKETS, registry=r
-        )
-        self.tpot = Histogram(
-            PREFIX + "time_per_output_token_seconds",
+        self.ttft = _Histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.e2e = _Histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self.tpot = _Histogram(
+            "time_per_output_token_seconds",
             "Per request: (finish - first token) / (output tokens - 1).",
-            buckets=TPOT_BUCKETS,
-            registry=r,
+            TPOT_BUCKETS,
         )
-        self.queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.", buckets=TTFT_BUCKETS, registry=r
-        )
-        self.prompt_tokens = Histogram(
-            PREFIX + "request_prompt_tokens", "Prompt tokens per request.", buckets=TOKEN_BUCKETS, registry=r
-        )
-        self.generation_tokens = Histogram(
-            PREFIX + "request_generation_tokens", "Output tokens per request.", buckets=TOKEN_BUCKETS, registry=r
-        )
-        r.register(_EngineCollector(engine, self.finish_reasons))
+        self.queue_time = _Histogram("request_queue_time_seconds", "Arrival to first scheduled.", TTFT_BUCKETS)
+        self.prompt_tokens = _Histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.generation_tokens = _Histogram("request_generation_tokens", "Output tokens per request.", TOKEN_BUCKETS)
+        self.histograms = [self.ttft, self.e2e, self.tpot, self.queue_time, self.prompt_tokens, self.generation_tokens]
+        self.registry.register(_EngineCollector(self))
 
     def finished(self, out: RequestOutput) -> None:
         """One finished request's latencies, from the engine's own timestamps."""
@@ -170,23 +232,59 @@ class ServerMetrics:
         if m.first_token_time is not None and m.finished_time is not None and m.num_generation_tokens > 1:
             self.tpot.observe((m.finished_time - m.first_token_time) / (m.num_generation_tokens - 1))
 
+    def front_state(self) -> dict[str, Any]:
+        """What this API server counted: the part of the metrics that several API servers add up."""
+        front_metrics = getattr(self.engine, "front_metrics", None)  # a ProcessEngine's (in-process: one front)
+        front = front_metrics() if front_metrics is not None else {}
+        return {
+            "counters": front,
+            "finish_reasons": dict(self.finish_reasons),
+            "histograms": {h.name: h.state() for h in self.histograms},
+        }
+
+    def merged_state(self) -> dict[str, Any]:
+        """This API server's counts, plus the others' when there are several."""
+        state = self.front_state()
+        if self.peers is None:
+            return state
+        self.peers.publish(state)  # the freshest counts for a scrape the others answer now
+        for other in self.peers.others():
+            for part in ("counters", "finish_reasons"):
+                for key, value in other.get(part, {}).items():
+                    state[part][key] = state[part].get(key, 0) + value
+            for name, values in other.get("histograms", {}).items():
+                mine = state["histograms"].get(name)
+                if mine is not None and len(mine) == len(values):
+                    state["histograms"][name] = [a + b for a, b in zip(mine, values, strict=True)]
+        return state
+
+    async def publish_forever(self) -> None:
+        """With several API servers: keep this one's file current (run as a task for the server's life)."""
+        assert self.peers is not None
+        while True:
+            self.peers.publish(self.front_state())
+            await asyncio.sleep(PUBLISH_EVERY_S)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine | ProcessEngine, finish_reasons: dict[str, int]) -> None:
-        self.engine = engine
-        self.finish_reasons = finish_reasons
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.engine = metrics.engine
 
     def collect(self) -> Iterator[Metric]:
-        snapshot = self.engine.metrics()
+        state = self.metrics.merged_state()
+        snapshot = {**self.engine.metrics(), **state["counters"]}
+        for histogram in self.metrics.histograms:
+            yield histogram.family(state["histograms"][histogram.name])
         success = CounterMetricFamily(
             PREFIX + "request_success",
             "Requests finished, by finish reason (stop, length; abort: the client went away or the engine failed).",
             labels=["finished_reason"],
         )
-        for reason, count in {**self.finish_reasons, "abort": snapshot.get("num_requests_aborted", 0)}.items():
+        for reason, count in {**state["finish_reasons"], "abort": snapshot.get("num_requests_aborted", 0)}.items():
             success.add_metric([reason], count)
         yield success
         yield CounterMetricFamily(

@@ -9,6 +9,9 @@ fewer, larger chunks instead of queueing.
 Handlers use it as they use AsyncEngine (add, abort, release, metrics, alive): RequestGroup is shared. The server
 answers 503 until the core is ready and after it is gone; if the core process dies, every waiting handler gets an
 EngineDeadError at once (streams end with an error event) and the log says how it ended.
+
+One of several API servers (`--api-server-count`, server/api_servers.py) is given a FrontSlot: it attaches to the core
+the launcher started instead of starting one, and its requests carry its index so that their outputs come back to it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dspark.config import EngineConfig, SamplingParams
@@ -43,11 +47,27 @@ from dspark.server.async_engine import EngineDeadError, EngineError, EngineStart
 logger = logging.getLogger("dspark.server")
 
 
+@dataclass(frozen=True)
+class FrontSlot:
+    """An API server's place among several on one engine core."""
+
+    index: int
+    count: int
+    input_address: str  # the sockets this front binds (the core connects to them)
+    output_address: str
+    core_pid: int
+    stats_dir: str  # where the fronts share their counters (server/metrics.py)
+
+
 class ProcessEngine:
-    def __init__(self, config: EngineConfig, core_target: Callable[..., None] = run_core) -> None:
+    def __init__(
+        self, config: EngineConfig, core_target: Callable[..., None] = run_core, slot: FrontSlot | None = None
+    ) -> None:
         """Resolve the model (downloading it where needed) and load its tokenizer; start() starts the core (the
-        process runs core_target: engine/core_proc.py's run_core, or a benchmark's stub)."""
+        process runs core_target: engine/core_proc.py's run_core, or a benchmark's stub), or attaches to the core of
+        `slot` when this is one of several API servers."""
         self.config = config
+        self.slot = slot
         self._core_target = core_target
         self.model = config.model
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer or config.model))
@@ -77,7 +97,9 @@ class ProcessEngine:
         self._loop = asyncio.get_running_loop()
         self._ready = asyncio.Event()
         self._started_at = time.monotonic()
-        self._client = CoreProcessClient(self.config, self._core_target)
+        slot = self.slot
+        attach = None if slot is None else (slot.input_address, slot.output_address, slot.core_pid)
+        self._client = CoreProcessClient(self.config, self._core_target, attach)
         self._loop.add_reader(self._client.sentinel, self._core_exited)
         self._reader = self._loop.create_task(self._read(), name="dspark-core-reader")
 
@@ -129,11 +151,9 @@ class ProcessEngine:
         self._loop.remove_reader(self._client.sentinel)
         if self._stopping:
             return
-        self._client.process.join(1.0)  # it has ended (its sentinel says so): reap it for its exit code
+        how = self._client.how_it_ended()
         if self.dead is not None:  # it said why before it exited (StartFailed): keep that reason
             return
-        code = self._client.process.exitcode
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         self.dead = EngineDeadError(f"the engine core process {how}")
         logger.critical("the engine core process %s; the server can run no more requests", how)
         self._fail_all(self.dead)
@@ -150,11 +170,11 @@ class ProcessEngine:
 
     def metrics(self) -> dict[str, Any]:
         """The front's counters with the core's latest snapshot (it comes with the core's outputs)."""
-        return {
-            **self.output_processor.stats,
-            "num_prompt_tokens": self._num_prompt_tokens,
-            **self._core_metrics,
-        }
+        return {**self.front_metrics(), **self._core_metrics}
+
+    def front_metrics(self) -> dict[str, int]:
+        """The counters this front keeps (requests it saw end, prompt tokens it added): several fronts' add up."""
+        return {**self.output_processor.stats, "num_prompt_tokens": self._num_prompt_tokens}
 
     async def add(self, prompts: list[list[int]], params: list[SamplingParams], prefix: str) -> RequestGroup:
         """One core request per (prompt, params): all of them, or none if one is refused (its ConfigError is raised)."""
@@ -173,7 +193,7 @@ class ProcessEngine:
             self._num_prompt_tokens += len(request.prompt_token_ids)
         self._groups.add(group)
         assert self._client is not None
-        self._client.send(AddRequests([r for r, _ in requests]))
+        self._client.send(AddRequests([r for r, _ in requests], 0 if self.slot is None else self.slot.index))
         return group
 
     def abort(self, request_ids: list[str]) -> None:
@@ -201,7 +221,7 @@ class ProcessEngine:
             logger.critical("reading the engine core's messages failed", exc_info=True)
             self.dead = EngineDeadError(f"the front failed to read the engine core: {type(e).__name__}: {e}")
             self._fail_all(self.dead)
-            self._client.process.terminate()  # nobody will read what it makes
+            self._client.terminate()  # nobody will read what it makes
 
     def _handle(self, messages: list[CoreMessage]) -> None:
         outputs: list[EngineCoreOutput] = []

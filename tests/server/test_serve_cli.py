@@ -30,12 +30,16 @@ from dspark.server.cli import served_model_names
 @contextmanager
 def _serve(model: Path, flags: list[str], **popen: Any) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
     """`dspark serve` in a subprocess: (process, base URL, its first log line naming it) once /health says ok (503
-    "starting" until the engine core has loaded the model). Killed, its whole session, if the test left it running."""
+    "starting" until the engine core has loaded the model); the process's `stderr_lines` queue has its later log
+    lines. Killed, its whole session, if the test left it running."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dspark", "serve", str(model), *flags], stderr=subprocess.PIPE, text=True, **popen
     )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+    if proc.stdout is not None:  # stdout=subprocess.PIPE: uvicorn's access log, in the same queue
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    proc.stderr_lines = lines  # type: ignore[attr-defined]
     try:
         found = None
         while found is None:
@@ -80,6 +84,8 @@ def test_bad_flags_are_one_line_before_loading(tiny_llama: Path, capsys: pytest.
             (["--speculative-config", '{"method": "magic"}'], "speculative_config.method"),
             (["--max-request-bytes", "0"], "max_request_bytes"),
             (["--model", "other-model"], "given twice"),
+            (["--api-server-count", "0"], "api_server_count=0"),
+            (["--api-server-count", "2", "--no-core-process"], "api_server_count=2"),
         ]
         for flags, needle in cases:
             assert main(["serve", str(tiny_llama), *flags]) == 2, flags

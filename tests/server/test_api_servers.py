@@ -1,0 +1,289 @@
+"""`dspark serve --api-server-count N`: several API server processes on one engine core. The core routes each
+request's outputs to the API server that added it; /metrics from any of them counts them all; a killed core ends
+every API server's streams; Ctrl-C drains them all; an API server that dies stops the whole server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from test_serve_cli import _serve
+
+from dspark.config import SamplingParams
+from dspark.engine.core_proc import (
+    AbortRequests,
+    AddRequests,
+    CoreLoop,
+    StepFailed,
+    StepOutputs,
+    output_decoder,
+)
+from dspark.engine.messages import EngineCoreOutput, EngineCoreRequest
+from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dspark.server.metrics import FrontPeers, ServerMetrics
+
+# ---- the core's routing -------------------------------------------------------------------------------------------
+
+
+class _Socket:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(output_decoder.decode(data))
+
+
+class _Core:
+    """EngineCore's interface: each step, one token for every request, finished at its max_tokens."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, list[int]] = {}
+        self.fail = False
+
+    def add_request(self, r: EngineCoreRequest) -> None:
+        self.requests[r.request_id] = [r.sampling_params.max_tokens, 0]
+
+    def abort_requests(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.requests.pop(rid, None)
+
+    def stop_requests(self, stops: list[tuple[str, int]]) -> None:
+        self.abort_requests([rid for rid, _ in stops])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[EngineCoreOutput]:
+        if self.fail:
+            raise RuntimeError("boom")
+        outs = []
+        for rid, state in list(self.requests.items()):
+            state[1] += 1
+            done = state[1] >= state[0]
+            outs.append(EngineCoreOutput(rid, [state[1]], finish_reason="length" if done else None))
+            if done:
+                del self.requests[rid]
+        return outs
+
+    def end_step(self) -> None:
+        pass
+
+    def get_metrics(self) -> dict[str, Any]:
+        return {"num_requests_running": len(self.requests)}
+
+
+def _request(rid: str, max_tokens: int) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, [1, 2], SamplingParams(max_tokens=max_tokens), 0, None, 0.0)
+
+
+def test_the_core_sends_each_request_to_its_api_server() -> None:
+    core, sockets = _Core(), [_Socket(), _Socket(), _Socket()]
+    loop = CoreLoop(core, SimpleNamespace(), sockets)  # type: ignore[arg-type]
+    loop._handle([AddRequests([_request("a", 2), _request("b", 3)], 0), AddRequests([_request("c", 2)], 2)])
+    loop._metrics_at = time.monotonic()  # no counters due this step
+    loop._step()
+    assert [[o.request_id for o in m.outputs] for m in sockets[0].sent] == [["a", "b"]]
+    assert [[o.request_id for o in m.outputs] for m in sockets[2].sent] == [["c"]]
+    assert sockets[1].sent == []  # nothing of its own and no counters due: no message
+    loop._step()  # a and c finish: the counters go with them, to every API server
+    assert all(isinstance(s.sent[-1], StepOutputs) and s.sent[-1].metrics is not None for s in sockets)
+    assert [o.request_id for o in sockets[0].sent[-1].outputs] == ["a", "b"]
+    assert [o.request_id for o in sockets[2].sent[-1].outputs] == ["c"]
+    assert sockets[1].sent[-1].outputs == []
+    assert loop._front_of == {"b": 0}  # finished requests are forgotten
+    loop._handle([AbortRequests(["b"])])
+    assert loop._front_of == {} and not core.has_unfinished_requests()
+    loop._handle([AddRequests([_request("d", 5)], 1)])
+    core.fail = True
+    loop._step()  # a failed step: every API server hears of it (each fails its own, all count the failed step)
+    assert all(isinstance(s.sent[-1], StepFailed) and s.sent[-1].request_ids == ["d"] for s in sockets)
+    assert loop._front_of == {}
+
+
+# ---- /metrics across API servers ----------------------------------------------------------------------------------
+
+
+class _Engine:
+    def __init__(self, finished: int, prompt_tokens: int) -> None:
+        self.counts = {"num_requests_finished": finished, "num_prompt_tokens": prompt_tokens}
+        self.num_step_errors = 0
+        self.alive = True
+
+    def front_metrics(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    def metrics(self) -> dict[str, Any]:
+        return {**self.counts, "num_requests_running": 7}  # the core's gauge: the same in every API server
+
+
+def _finished(ttft: float) -> RequestOutput:
+    metrics = RequestMetrics(0.0, 0.0, ttft, 1.0, 3, 0, 4, 0)
+    return RequestOutput(
+        "r", None, [1, 2, 3], [CompletionOutput(0, "x", [1, 2, 3, 4], None, None, "length")], True, metrics
+    )
+
+
+def _sample(text: str, name: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(name + " "))
+    return float(line.split()[-1])
+
+
+def test_metrics_add_up_across_api_servers(tmp_path: Path) -> None:
+    servers = [ServerMetrics(_Engine(2 + i, 10 * (i + 1)), FrontPeers(str(tmp_path), i, 3)) for i in range(3)]
+    for i, server in enumerate(servers):
+        for _ in range(i + 1):
+            server.finished(_finished(0.03 * (i + 1)))
+    for server in servers[1:]:
+        server.peers.publish(server.front_state())  # type: ignore[union-attr]
+    text = servers[0].render().decode()
+    assert _sample(text, "dspark:num_requests_finished_total") == 2 + 3 + 4
+    assert _sample(text, "dspark:prompt_tokens_total") == 10 + 20 + 30
+    assert _sample(text, "dspark:num_requests_running") == 7  # a gauge of the core's: not added up
+    assert _sample(text, "dspark:time_to_first_token_seconds_count") == 1 + 2 + 3
+    assert _sample(text, 'dspark:time_to_first_token_seconds_bucket{le="0.04"}') == 1  # 0.03 only
+    assert _sample(text, 'dspark:time_to_first_token_seconds_bucket{le="0.06"}') == 3  # and 0.06 (le: <=)
+    assert _sample(text, "dspark:time_to_first_token_seconds_sum") == pytest.approx(0.03 + 2 * 0.06 + 3 * 0.09)
+    assert _sample(text, 'dspark:request_success_total{finished_reason="length"}') == 6
+    # The API server that rendered published its own counts: another one now sees everything too.
+    assert _sample(servers[2].render().decode(), "dspark:num_requests_finished_total") == 9
+
+
+# ---- the launcher, its API servers and its core, as processes ------------------------------------------------------
+
+FLAGS = ["--port", "0", "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "512"]
+FLAGS += ["--served-model-name", "tiny", "--api-server-count", "2"]
+
+
+def _processes(launcher: int) -> tuple[int, list[int]]:
+    """The launcher's engine core and API servers (these lead their own process groups)."""
+    children = [int(p) for p in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()]
+    children = [p for p in children if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    fronts = [p for p in children if os.getpgid(p) == p]
+    cores = [p for p in children if p not in fronts]
+    assert len(fronts) == 2 and len(cores) == 1, children
+    return cores[0], fronts
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{p}").exists() for p in pids):
+        assert time.monotonic() < deadline, "the core or an API server outlived the launcher"
+        time.sleep(0.1)
+
+
+def _status(url: str, path: str = "/health") -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"{url}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _complete(url: str, **body: object) -> tuple[int, dict[str, Any]]:
+    data = json.dumps({"model": "tiny", **body}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _open_stream(url: str, **body: object) -> Any:
+    data = json.dumps({"model": "tiny", "stream": True, **body}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data, {"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=30)
+
+
+def _events(response: Any) -> list[str]:
+    return [line.decode().strip() for line in response if line.startswith(b"data:")]
+
+
+def _lines(proc: Any) -> list[str]:
+    lines = []
+    while not proc.stderr_lines.empty():
+        lines.append(proc.stderr_lines.get())
+    return lines
+
+
+def test_api_servers_share_the_requests_and_their_metrics_and_drain_on_ctrl_c(tiny_llama: Path) -> None:
+    flags = [*FLAGS, "--log-level", "info"]
+    with _serve(tiny_llama, flags, start_new_session=True, stdout=subprocess.PIPE) as (proc, url, line):
+        assert line.endswith("serving tiny through 2 API servers")
+        core, fronts = _processes(proc.pid)
+        answers = [_complete(url, prompt="one two three", max_tokens=4, temperature=0) for _ in range(12)]
+        assert all(status == 200 for status, _ in answers)
+        assert len({a["choices"][0]["text"] for _, a in answers}) == 1  # greedy: the same answer from either
+        time.sleep(0.5)
+        logged = _lines(proc)
+        for i in range(2):  # each connection is a new one: the kernel spreads them over both API servers
+            assert any(f"[api server {i}]" in x and "POST /v1/completions" in x for x in logged), logged
+
+        def finished_everywhere() -> bool:  # each scrape a new connection, whichever API server takes it
+            counts = [_sample(_status(url, "/metrics")[1], "dspark:num_requests_finished_total") for _ in range(6)]
+            return counts == [12] * 6
+
+        deadline = time.monotonic() + 5
+        while not finished_everywhere():
+            assert time.monotonic() < deadline, "the API servers' metrics did not add up to 12 finished requests"
+            time.sleep(0.1)
+        text = _status(url, "/metrics")[1]
+        assert _sample(text, 'dspark:request_success_total{finished_reason="length"}') == 12
+        assert _sample(text, "dspark:e2e_request_latency_seconds_count") == 12
+
+        # Ctrl-C to the launcher's group: the API servers drain (a running stream finishes), then the core stops.
+        with _open_stream(url, prompt="one", max_tokens=300, ignore_eos=True) as stream:
+            first = next(stream)
+            os.killpg(proc.pid, signal.SIGINT)
+            events = [first.decode().strip(), *_events(stream)]
+        last = json.loads(events[-2].removeprefix("data: "))
+        assert events[-1] == "data: [DONE]" and last["choices"][0]["finish_reason"] == "length", events[-2:]
+        code = proc.wait(timeout=60)
+        time.sleep(0.2)
+        assert code == 0, "".join(_lines(proc)[-12:])
+        _wait_gone([core, *fronts])
+
+
+def test_a_killed_core_ends_every_api_servers_streams(tiny_llama: Path) -> None:
+    with _serve(tiny_llama, FLAGS, start_new_session=True) as (proc, url, _):
+        core, fronts = _processes(proc.pid)
+        streams = [_open_stream(url, prompt="one", max_tokens=400, ignore_eos=True) for _ in range(6)]
+        for stream in streams:
+            next(stream)  # each is running
+        os.kill(core, signal.SIGKILL)
+        killed = time.monotonic()
+        for stream in streams:
+            with stream:
+                events = _events(stream)
+            error = json.loads(events[-2].removeprefix("data: "))
+            assert events[-1] == "data: [DONE]" and error["error"]["type"] == "service_unavailable", events[-2:]
+            assert "engine core process" in error["error"]["message"]
+        ended = time.monotonic() - killed
+        assert ended < 2.0, f"the streams ended {ended:.1f} s after the core was killed"
+        for _ in range(6):  # whichever API server answers
+            status, text = _status(url)
+            assert status == 503 and "not running" in text
+            assert _complete(url, prompt="one two", max_tokens=2)[0] == 503
+        time.sleep(0.3)
+        assert any("the engine core process was killed by signal 9" in x for x in _lines(proc))
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        _wait_gone(fronts)
+
+
+def test_an_api_server_that_dies_stops_the_server(tiny_llama: Path) -> None:
+    with _serve(tiny_llama, FLAGS, start_new_session=True) as (proc, _url, _):
+        core, fronts = _processes(proc.pid)
+        os.kill(fronts[1], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        assert any("API server" in x and "exited with code -9; stopping the others" in x for x in _lines(proc))
+        _wait_gone([core, fronts[0]])
