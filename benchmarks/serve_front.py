@@ -9,16 +9,17 @@ says how far the front is from keeping up with the engine; --profile writes the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import cProfile
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -67,31 +68,68 @@ class StubCore:
         return {"num_requests_running": len(self.requests)}
 
 
-def run_stub_core(config: Any, input_address: str, output_address: str, front_pid: int, step_ms: float = 2.0) -> None:
+def run_stub_core(
+    config: Any, input_addresses: str | list[str], output_addresses: str | list[str], parent_pid: int
+) -> None:
     ctx = zmq.Context()
-    inputs, outputs = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inputs.connect(input_address)
-    outputs.connect(output_address)
-    core = StubCore(float(os.environ.get("STUB_STEP_MS", step_ms)))
-    outputs.send(output_encoder.encode(Ready(core.info, os.getpid())))
+    inputs = ctx.socket(zmq.PULL)
+    for address in [input_addresses] if isinstance(input_addresses, str) else input_addresses:
+        inputs.connect(address)
+    outputs = []
+    for address in [output_addresses] if isinstance(output_addresses, str) else output_addresses:
+        outputs.append(ctx.socket(zmq.PUSH))
+        outputs[-1].connect(address)
+    core = StubCore(float(os.environ["STUB_STEP_MS"]))
+    for socket in outputs:
+        socket.send(output_encoder.encode(Ready(core.info, os.getpid())))
     CoreLoop(core, inputs, outputs).run()
 
 
-def serve(port: int, profile: str | None) -> None:
-    import uvicorn
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # it has exited
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+
+def _client_cpu() -> float:
+    """This process's CPU seconds and its reaped children's (client workers; the server is reaped only at the end)."""
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and its descendants."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    children = [int(p) for p in path.read_text().split()] if path.exists() else []
+    return [pid, *(d for c in children for d in _tree(c))]
+
+
+def _role(pid: int, server_pid: int) -> str:
+    if pid == server_pid:
+        return "server"
+    try:
+        return f"{Path(f'/proc/{pid}/comm').read_text().strip()}:{pid}"
+    except OSError:
+        return f"pid:{pid}"
+
+
+def serve(port: int, profile: str | None, api_server_count: int) -> None:
     from dspark.config import EngineConfig
-    from dspark.server.app import build_app
+    from dspark.server.api_servers import bind, serve_many, serve_on
     from dspark.server.process_engine import ProcessEngine
 
-    engine = ProcessEngine(EngineConfig(), core_target=run_stub_core)
-    app = build_app(engine, ["stub"])
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    socks = bind("127.0.0.1", port, api_server_count)
+    if api_server_count > 1:  # the launcher, as `dspark serve --api-server-count N` (no profile: N processes)
+        serve_many(EngineConfig(), api_server_count, ["stub"], None, 16 << 20, "warning", socks, run_stub_core)
+        return
     profiler = cProfile.Profile() if profile else None
     if profiler is not None:
         profiler.enable()
     try:
-        server.run()
+        engine = ProcessEngine(EngineConfig(), core_target=run_stub_core)
+        serve_on(engine, ["stub"], None, 16 << 20, "warning", socks[0])
     finally:
         if profiler is not None:
             profiler.disable()
@@ -106,18 +144,21 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=0, help="default: 2 x concurrency")
     ap.add_argument("--port", type=int, default=8177)
     ap.add_argument("--profile", help="write the front's cProfile here")
+    ap.add_argument("--client-workers", type=int, default=1, help="client processes (bench serve --num-workers)")
+    ap.add_argument("--api-server-count", type=int, default=1, help="API server processes on the one stub core")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        serve(args.port, args.profile)
+        serve(args.port, args.profile, args.api_server_count)
         return 0
 
-    from dspark.bench.client import Endpoint
+    from dspark.bench.client import Endpoint, run_async
     from dspark.bench.serve import run_benchmark
     from dspark.bench.serve_data import ServePrompt
 
     cmd = [sys.executable, __file__, "--serve", "--port", str(args.port)]
     cmd += ["--profile", args.profile] if args.profile else []
+    cmd += ["--api-server-count", str(args.api_server_count)]
     server = subprocess.Popen(cmd, env={**os.environ, "STUB_STEP_MS": str(args.step_ms)})
     url = f"http://127.0.0.1:{args.port}"
     try:
@@ -125,17 +166,31 @@ def main() -> int:
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=5):
                     break
-            except (urllib.error.URLError, ConnectionError):
+            except (urllib.error.URLError, ConnectionError, TimeoutError):  # TimeoutError: a front not up yet
                 time.sleep(0.2)
         endpoint = Endpoint(url, "openai", "/v1/completions", "stub")
         n = args.num_prompts or 2 * args.concurrency
         prompts = [ServePrompt(f"question {i}: what is {i} + {i}?", None, args.output_len) for i in range(n)]
-        result = asyncio.run(
-            run_benchmark(endpoint, prompts, ignore_eos=True, max_concurrency=args.concurrency, progress=False)
+        pids = _tree(server.pid)
+        before = {pid: _cpu_seconds(pid) for pid in pids}
+        client_before = _client_cpu()
+        result = run_async(
+            run_benchmark(
+                endpoint,
+                prompts,
+                ignore_eos=True,
+                max_concurrency=args.concurrency,
+                progress=False,
+                num_workers=args.client_workers,
+            )
         )
+        client_cpu = _client_cpu() - client_before
+        server_cpu = {pid: _cpu_seconds(pid) - b for pid, b in before.items()}
         ideal = args.concurrency / (args.step_ms / 1e3)
         summary = {
             "concurrency": args.concurrency,
+            "client_workers": args.client_workers,
+            "api_server_count": args.api_server_count,
             "step_ms": args.step_ms,
             "output_throughput": result["output_throughput"],
             "ideal": ideal,
@@ -143,7 +198,16 @@ def main() -> int:
             "median_tpot_ms": result["median_tpot_ms"],
             "median_ttft_ms": result["median_ttft_ms"],
             "failed": result["failed"],
+            "first_errors": sorted({e for e in result["errors"] if e})[:3],
             "chunks_per_request": sum(len(i) + 1 for i in result["itls"]) / max(1, len(result["itls"])),
+            # CPU microseconds per output token: which process would saturate first on a machine with cores to spare
+            "cpu_us_per_token": {
+                "client": 1e6 * client_cpu / max(1, result["total_output_tokens"]),
+                **{
+                    _role(pid, server.pid): 1e6 * cpu / max(1, result["total_output_tokens"])
+                    for pid, cpu in server_cpu.items()
+                },
+            },
         }
         print(json.dumps(summary, indent=1))
     finally:

@@ -2,8 +2,10 @@
 and an offline LLMEngine of the same configuration, taking turns at each concurrency for --rounds rounds, on the same
 prompts (completions, the prompt text as is), greedy, --output-len tokens with EOS ignored. Offline: the prompts
 through LLMEngine with at most C in flight (bench/throughput.py's run_dspark). Served: `dspark bench serve`'s client
-(streamed, usage from the last chunk) with --max-concurrency C. Each row: both output throughputs (medians over the
-rounds) and the median of the per-round ratios.
+(streamed, usage from the last chunk) with --max-concurrency C, in up to --client-workers processes, against a
+server of --api-server-count API servers. Each row: both output throughputs (medians over the rounds), the median of
+the per-round ratios, and each served run's CPU use by process (CPU seconds per second: the launcher, the core, each
+API server, the client), which says what would saturate first.
 
     python benchmarks/serve_goal.py --device cuda --dataset-path .device/data/deepspec_eval/gsm8k.jsonl \
         --concurrency 1 16 64 256 --rounds 3 --output-json serve-goal.json
@@ -12,10 +14,10 @@ rounds) and the median of the per-round ratios.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import statistics
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dspark.bench.client import Endpoint
+from dspark.bench.client import Endpoint, run_async
 from dspark.bench.serve import run_benchmark
 from dspark.bench.serve_data import sample_prompts
 from dspark.bench.throughput import run_dspark
@@ -67,6 +69,19 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _client_cpu() -> float:
+    """This process's CPU seconds and its reaped children's (the client workers)."""
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+
+
+def _role(pid: int) -> str:
+    """What a child of `dspark serve` is: API servers lead their own process groups, the core does not."""
+    if b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        return "tracker"
+    return "api_server" if os.getpgid(pid) == pid else "core"
+
+
 def _children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []
@@ -83,6 +98,10 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="each of the two engines' share")
+    ap.add_argument("--api-server-count", type=int, default=4, help="dspark serve --api-server-count")
+    ap.add_argument(
+        "--client-workers", type=int, default=4, help="client processes (bench serve --num-workers), at most C"
+    )
     ap.add_argument("--idle-seconds", type=float, default=5.0, help="measure the idle server's CPU this long")
     ap.add_argument("--output-json", required=True)
     args = ap.parse_args()
@@ -96,6 +115,7 @@ def main() -> int:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "dspark", "serve", "--port", str(port), "--log-level", "warning"]
+    cmd += ["--api-server-count", str(args.api_server_count)]
     for key, value in engine_args.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     server = subprocess.Popen(cmd)
@@ -121,11 +141,12 @@ def main() -> int:
             output_len=args.output_len,
         )
         ids = [engine.input_processor.encode(p.text) for p in prompts]
-        # Warm both: first shapes, graph replays, the client's connections.
-        run_dspark(engine, ids[:8], 16, concurrency=8)
-        asyncio.run(run_benchmark(endpoint, prompts[:8], ignore_eos=True, max_concurrency=8, progress=False))
+        # Warm both: first shapes, graph replays, every API server (connections spread over them).
+        run_dspark(engine, ids[:32], 16, concurrency=32)
+        run_async(run_benchmark(endpoint, prompts[:32], ignore_eos=True, max_concurrency=32, progress=False))
 
-        core_pids = _children(server.pid)
+        core_pids = _children(server.pid)  # the core, the API servers, multiprocessing's resource tracker
+        roles = ["launcher", *(_role(p) for p in core_pids), "client"]
         idle = {}
         if args.idle_seconds > 0:
             pids = [server.pid, *core_pids]
@@ -136,14 +157,30 @@ def main() -> int:
             idle["core_cpu_frac"] = sum(used[1:]) / args.idle_seconds
             print(f"idle: front {idle['front_cpu_frac']:.2%} of a core, core {idle['core_cpu_frac']:.2%}", flush=True)
 
-        rows: dict[int, dict[str, list[float]]] = {c: {"offline": [], "served": []} for c in args.concurrency}
+        rows: dict[int, dict[str, list[Any]]] = {
+            c: {"offline": [], "served": [], "cpu_busy": []} for c in args.concurrency
+        }
         for r in range(args.rounds):
             for c in args.concurrency:
                 n = max(8, c * args.prompts_per_concurrency)
                 off = run_dspark(engine, ids[:n], args.output_len, concurrency=c)
-                srv = asyncio.run(
-                    run_benchmark(endpoint, prompts[:n], ignore_eos=True, max_concurrency=c, progress=False)
+                pids = [server.pid, *core_pids]
+                cpu_before = [_cpu_seconds(p) for p in pids] + [_client_cpu()]
+                srv = run_async(
+                    run_benchmark(
+                        endpoint,
+                        prompts[:n],
+                        ignore_eos=True,
+                        max_concurrency=c,
+                        progress=False,
+                        num_workers=min(c, args.client_workers),
+                    )
                 )
+                cpu = [_cpu_seconds(p) for p in pids] + [_client_cpu()]
+                # CPU seconds per second of the run, by process: which one would saturate first
+                busy = [(a - b) / srv["duration"] for a, b in zip(cpu, cpu_before, strict=True)]
+                named = zip(roles, busy, strict=True)
+                rows[c]["cpu_busy"].append({f"{role}:{i}": round(b, 3) for i, (role, b) in enumerate(named)})
                 if srv["failed"]:
                     print(f"C={c}: {srv['failed']} requests failed: {srv['errors'][:3]}", flush=True)
                 offline_tps = off.output_throughput
@@ -164,7 +201,8 @@ def main() -> int:
                     "offline_tok_s": statistics.median(row["offline"]),
                     "served_tok_s": statistics.median(row["served"]),
                     "ratio": statistics.median(ratios),
-                    "rounds": row,
+                    "rounds": {"offline": row["offline"], "served": row["served"]},
+                    "cpu_busy": row["cpu_busy"],
                 }
             )
         result: dict[str, Any] = {
@@ -176,6 +214,8 @@ def main() -> int:
                 "torch": torch.__version__,
             },
             "engine": {**engine_args, "dtype": str(engine.dtype)},
+            "api_server_count": args.api_server_count,
+            "client_workers": args.client_workers,
             "output_len": args.output_len,
             "idle": idle,
             "rows": table,

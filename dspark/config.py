@@ -6,6 +6,7 @@ never surfaces as a traceback from deep inside the engine.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -81,6 +82,12 @@ class SamplingParams:
     # request's whole output every step) or "final_only" (one output, when it finishes: what offline generate() needs,
     # and the host builds no per-step outputs, which at high load cost more than the GPU step)
     output_kind: str = "cumulative"
+
+    def clone(self) -> SamplingParams:
+        """An independent copy, without re-checking (deepcopy's generic walk costs ~50 us a request in the server)."""
+        params = copy.copy(self)
+        params.stop, params.stop_token_ids = list(self.stop or []), list(self.stop_token_ids or [])
+        return params
 
     def __post_init__(self) -> None:
         _check_float("temperature", self.temperature, 0.0, 1e6)

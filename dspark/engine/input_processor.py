@@ -4,7 +4,6 @@ from: an error that names the field, the value and what is allowed."""
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from typing import Any
@@ -34,8 +33,18 @@ class InputProcessor:
         self.max_model_len = info.max_model_len
         self.eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else info.eos_token_id
         self._rng = random.Random(seed)  # seeds of requests that bring none
+        # A fast tokenizer's Rust backend directly: transformers' encode() wraps it in ~60 us of Python a prompt. Used
+        # only where it gives transformers' ids on a probe with special tokens and odd spacing.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        probe = "  Hello <|im_start|>world\n\n 12345 héllo"
+        if self._backend is not None and self._backend.encode(probe, add_special_tokens=True).ids != list(
+            tokenizer.encode(probe, add_special_tokens=True)
+        ):
+            self._backend = None
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=True).ids
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def check_prompt(self, ids: list[int], field: str = "prompt") -> None:
@@ -51,7 +60,7 @@ class InputProcessor:
         """The core's request and the prompt's text (None for token ids)."""
         # The request's own copy: a continued step does not check again what its requests passed when the chain began,
         # so a caller's later change to a shared SamplingParams must not reach it.
-        params = copy.deepcopy(params) if params is not None else SamplingParams()
+        params = params.clone() if params is not None else SamplingParams()
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.encode(prompt)
