@@ -410,8 +410,8 @@ class EngineCore:
                 if token not in req.ends_on and len(all_ids) + 1 < req.end_at:
                     all_ids.append(token)
                     quiet.append(req)
-                    if req.streams:
-                        outputs.append(self._output(req, [token]))
+                    if req.streams:  # a plain output: its counters cannot have changed since the last full one
+                        outputs.append(EngineCoreOutput(req.request_id, [token]))
                 else:
                     # The quiet requests before this one first, in step order: a block they filled is registered
                     # before one this request fills with the same tokens, as _append for each in turn would.

@@ -26,7 +26,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's news from one step: the tokens it emitted (a request whose text the front needs only at the end
-    gets one output, when it finishes, with all its tokens), whether it finished, and its counters."""
+    gets one output, when it finishes, with all its tokens), whether it finished, and its counters.
+
+    A plain output (a continued step's token of a request that goes on) carries the token alone: its counters are
+    those of the request's last full output (first_scheduled_time set), which the front keeps. At 256 streams, the
+    full ones cost the core ~0.15 ms a step to build."""
 
     request_id: str
     new_token_ids: list[int]

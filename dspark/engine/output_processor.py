@@ -91,7 +91,8 @@ class OutputProcessor:
             state = states.get(out.request_id)
             if state is None:  # aborted since
                 continue
-            state.last = out
+            if out.first_scheduled_time is not None:  # a full output (a plain one leaves the counters as they were)
+                state.last = out
             num_before = len(state.token_ids)
             try:
                 num_dropped = self._update(state, out)

@@ -294,6 +294,9 @@ def coalesce(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         if seen is None:
             merged[out.request_id] = out
             continue
+        if out.first_scheduled_time is None and out.new_logprobs is None:  # plain: seen keeps its counters
+            seen.new_token_ids = seen.new_token_ids + out.new_token_ids
+            continue
         first_token_time = seen.first_token_time or out.first_token_time
         first_scheduled_time = seen.first_scheduled_time or out.first_scheduled_time
         tokens = seen.new_token_ids + out.new_token_ids

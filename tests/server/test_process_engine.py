@@ -21,7 +21,7 @@ import pytest
 from server_harness import MODEL_NAME, drained, live_server, make_engine, metric, scrape, wait_for
 from test_async_serving import _requests
 
-from dspark.config import EngineConfig
+from dspark.config import EngineConfig, SamplingParams
 from dspark.engine.messages import EngineCoreOutput
 from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dspark.server.async_engine import RequestGroup
@@ -142,6 +142,29 @@ def test_coalesce_merges_a_requests_steps_in_order() -> None:
     assert a.finish_reason == "length" and a.spec_num_drafts == 4 and a.first_token_time == 5.0
     unchanged = [EngineCoreOutput("a", [1]), EngineCoreOutput("b", [2])]
     assert coalesce(unchanged) == unchanged
+    # Plain outputs (a continued step's token alone) after a full one: the full one's counters stay.
+    full = EngineCoreOutput("c", [4], first_scheduled_time=1.0, first_token_time=2.0, num_cached_tokens=16)
+    (c,) = coalesce([full, EngineCoreOutput("c", [5]), EngineCoreOutput("c", [6])])
+    assert c.new_token_ids == [4, 5, 6] and c.num_cached_tokens == 16 and c.first_token_time == 2.0
+
+
+def test_plain_outputs_keep_the_requests_counters(tokenizer_dir: Path) -> None:
+    """The front keeps a request's counters from its last full output: plain ones carry tokens alone."""
+    from dspark.engine.output_processor import OutputProcessor
+    from dspark.models.tokenizer import load_tokenizer
+
+    processor = OutputProcessor(load_tokenizer(tokenizer_dir))
+    processor.add("r", None, [1, 2], SamplingParams(max_tokens=4, output_kind="delta"), 0.5)
+    first = EngineCoreOutput("r", [300], first_scheduled_time=1.0, first_token_time=2.0, num_cached_tokens=16)
+    processor.process([first])
+    (out,) = processor.process([EngineCoreOutput("r", [301])]).outputs
+    assert out.metrics.num_cached_tokens == 16 and out.metrics.first_token_time == 2.0 and out.new_token_ids == [301]
+    processor.process([EngineCoreOutput("r", [302])])
+    last = EngineCoreOutput("r", [303], finish_reason="length", first_scheduled_time=1.0, first_token_time=2.0)
+    last.num_cached_tokens, last.finished_time = 16, 3.0
+    (out,) = processor.process([last]).outputs
+    assert out.finished and out.metrics.num_cached_tokens == 16 and out.metrics.first_token_time == 2.0
+    assert out.metrics.num_generation_tokens == 4
 
 
 def _cpu_seconds(pid: int) -> float:
