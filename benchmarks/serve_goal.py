@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import signal
 import socket
 import statistics
@@ -67,12 +66,6 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> fl
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _client_cpu() -> float:
-    """This process's CPU seconds and its reaped children's (the client workers)."""
-    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
 
 
 def _role(pid: int) -> str:
@@ -165,7 +158,7 @@ def main() -> int:
                 n = max(8, c * args.prompts_per_concurrency)
                 off = run_dspark(engine, ids[:n], args.output_len, concurrency=c)
                 pids = [server.pid, *core_pids]
-                cpu_before = [_cpu_seconds(p) for p in pids] + [_client_cpu()]
+                cpu_before = [_cpu_seconds(p) for p in pids]
                 srv = run_async(
                     run_benchmark(
                         endpoint,
@@ -176,9 +169,9 @@ def main() -> int:
                         num_workers=min(c, args.client_workers),
                     )
                 )
-                cpu = [_cpu_seconds(p) for p in pids] + [_client_cpu()]
-                # CPU seconds per second of the run, by process: which one would saturate first
-                busy = [(a - b) / srv["duration"] for a, b in zip(cpu, cpu_before, strict=True)]
+                used = [_cpu_seconds(p) - b for p, b in zip(pids, cpu_before, strict=True)] + [srv["client_cpu_s"]]
+                # CPU seconds per second of the run, by process (the client: all its workers): what saturates first
+                busy = [u / srv["duration"] for u in used]
                 named = zip(roles, busy, strict=True)
                 rows[c]["cpu_busy"].append({f"{role}:{i}": round(b, 3) for i, (role, b) in enumerate(named)})
                 if srv["failed"]:

@@ -275,6 +275,7 @@ class Run:
     results: list[RequestResult]  # in input order
     duration: float  # seconds from the first request due to the last one finished
     max_in_flight: int  # most requests the client had open at once
+    cpu_s: float = 0.0  # CPU seconds the client spent over the duration (all its processes)
 
 
 async def run_requests(
@@ -296,7 +297,7 @@ async def run_requests(
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     bar = tqdm(total=len(inputs), desc=desc, unit="req", file=sys.stderr, disable=not progress)
     in_flight = max_in_flight = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
 
     async def one(req: RequestInput) -> RequestResult:
         nonlocal in_flight, max_in_flight
@@ -320,7 +321,7 @@ async def run_requests(
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     bar.close()
-    return Run(list(results), duration, max_in_flight)
+    return Run(list(results), duration, max_in_flight, time.process_time() - cpu)
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
@@ -378,11 +379,11 @@ def run_in_workers(
             start.wait(timeout=120)
         except threading.BrokenBarrierError:
             raise DSparkError("the client workers did not start within 120 s") from None
-        shards: dict[int, tuple[list[RequestResult], float, float, int]] = {}
+        shards: dict[int, tuple[list[RequestResult], float, float, int, float]] = {}
         while len(shards) < workers:
             try:
-                w, shard, began, ended, in_flight = results.get(timeout=0.2)
-                shards[w] = (shard, began, ended, in_flight)
+                w, *shard = results.get(timeout=0.2)
+                shards[w] = tuple(shard)  # results, start, end, most in flight, CPU seconds
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
@@ -395,10 +396,10 @@ def run_in_workers(
             if proc.is_alive():
                 proc.kill()
     ordered: list[RequestResult] = [RequestResult()] * len(inputs)
-    for w, (shard, _, _, _) in shards.items():
+    for w, (shard, *_) in shards.items():
         ordered[w::workers] = shard
     duration = max(s[2] for s in shards.values()) - min(s[1] for s in shards.values())
-    return Run(ordered, duration, sum(s[3] for s in shards.values()))
+    return Run(ordered, duration, sum(s[3] for s in shards.values()), sum(s[4] for s in shards.values()))
 
 
 def _worker(
@@ -429,7 +430,7 @@ def _worker(
             return run, began
 
     run, began = run_async(main())
-    results.put((index, run.results, began, began + run.duration, run.max_in_flight))
+    results.put((index, run.results, began, began + run.duration, run.max_in_flight, run.cpu_s))
 
 
 def _increment(counter: Any) -> None:

@@ -129,6 +129,7 @@ async def run_benchmark(
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",  # JSON has no infinity
         "max_concurrent_requests": run.max_in_flight,
         "num_client_workers": num_workers,
+        "client_cpu_s": run.cpu_s,  # the client's own CPU over the run: a client near 1 s/s per worker is the limit
         **benchmark_metrics(run.results, run.duration),
         **spec_decode_stats(before, after),
         "input_lens": [r.prompt_tokens for r in run.results],
