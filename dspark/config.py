@@ -74,6 +74,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-N logprobs of each sampled token (the sampled one always included)
+    # vLLM's: the logprob of every prompt token given the ones before it (the first has none), its rank and the top N.
+    # Such a request takes no prefix-cache hits: every prompt position is computed.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     max_speculative_tokens: int | None = None  # cap on this request's drafts per step; 0 opts out; None: the engine's
@@ -104,6 +107,8 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, 1e6, low_open=True)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.max_speculative_tokens is not None:
             _check_int("max_speculative_tokens", self.max_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS)
         _check_choice("output_kind", self.output_kind, OUTPUT_KINDS)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# One token's logprobs, of the raw model distribution: its logprob, its rank (1 + the tokens more likely) and the top N
+# as (token id, logprob). Plain data: the core sends them to the front.
+TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
+
 
 @dataclass
 class Logprob:
@@ -68,3 +72,5 @@ class RequestOutput:
     metrics: RequestMetrics
     new_text: str = ""  # text added by this step (for streaming)
     new_token_ids: list[int] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs, as vLLM's: one entry per prompt token, None for the first (nothing before it)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -58,8 +58,8 @@ class KVCacheManager:
 
         At least one token is always left to compute: the step that computes it produces the next token's logits.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         bs = self.block_size
         tokens = req.all_token_ids
         hits: list[int] = []

@@ -50,6 +50,8 @@ class Request:
     spec_num_drafts: int = 0  # steps that verified at least one of its drafts
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # SamplingParams.prompt_logprobs: entries for prompt tokens 1.. as prompt chunks compute them; None once sent
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = field(default_factory=list)
     # What ends it, checked per token: a token of `ends_on` (its EOS unless ignored, its stop token ids) once min_tokens
     # are out, or reaching `end_at` tokens (prompt + max_tokens; the core lowers it to max_model_len).
     ends_on: frozenset[int] = field(init=False)

@@ -359,11 +359,17 @@ class EngineCore:
         of requests the step served and of the tokens they emitted (a voided token is neither)."""
         now = time.monotonic()
         num_live = num_emitted = 0
+        prompt_logprobs = result.prompt_logprobs
         for s in sched.scheduled:
             req = s.request
             if req.status.finished:  # stopped or aborted after its continued step was launched: that token is void
                 continue
             num_live += 1
+            if prompt_logprobs and req.request_id in prompt_logprobs:
+                start, entries = prompt_logprobs[req.request_id]
+                # A chunk computed again after a preemption has its entries already.
+                if req.prompt_logprobs is not None and len(req.prompt_logprobs) == start:
+                    req.prompt_logprobs += entries
             sampled = result.sampled.get(req.request_id)
             num_rejected = 0
             if s.spec_token_ids:
@@ -512,6 +518,9 @@ class EngineCore:
     def _output(
         self, req: Request, new_ids: list[int], logprobs: list[TokenLogprobs] | None = None
     ) -> EngineCoreOutput:
+        prompt_logprobs = None
+        if req.sampling_params.prompt_logprobs is not None and req.prompt_logprobs is not None:
+            prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None  # with the first output only
         return EngineCoreOutput(
             req.request_id,
             new_ids,
@@ -526,6 +535,7 @@ class EngineCore:
             req.spec_num_drafts,
             req.spec_num_draft_tokens,
             req.spec_num_accepted_tokens,
+            prompt_logprobs,
         )
 
     def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from dspark.config import SamplingParams
-
-# One sampled token's logprobs, of the raw model distribution: (logprob, rank, top [(token id, logprob)]).
-TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
+from dspark.outputs import TokenLogprobs
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -45,6 +43,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     spec_num_drafts: int = 0  # steps that verified its drafts (vLLM's counting)
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # SamplingParams.prompt_logprobs: prompt tokens 1.. (the first has none), with the request's first output
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineCoreInfo(msgspec.Struct, frozen=True):

@@ -41,6 +41,7 @@ class RequestState:
     # No text is read before the end (final_only, no stop strings, no logprobs): the core sends its tokens at the end.
     deferred: bool = False
     last: EngineCoreOutput | None = None  # the core's latest counters for this request
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -93,6 +94,10 @@ class OutputProcessor:
                 continue
             if out.first_scheduled_time is not None:  # a full output (a plain one leaves the counters as they were)
                 state.last = out
+            if out.prompt_logprobs is not None:
+                prompt = state.prompt_token_ids
+                entries = [self._entry(t, row) for t, row in zip(prompt[1:], out.prompt_logprobs, strict=True)]
+                state.prompt_logprobs = [None, *entries]
             num_before = len(state.token_ids)
             try:
                 num_dropped = self._update(state, out)
@@ -145,15 +150,19 @@ class OutputProcessor:
         return None
 
     def _add_logprobs(self, state: RequestState, token: int, row: TokenLogprobs) -> None:
+        assert state.logprobs is not None
+        state.logprobs.append(self._entry(token, row))
+        state.cumulative_logprob += row[0]
+
+    def _entry(self, token: int, row: TokenLogprobs) -> dict[int, Logprob]:
+        """{token id: Logprob}: the token (sampled, or the prompt's) first, then the top N."""
         logprob, rank, top = row
         entry = {token: Logprob(logprob, rank)}
         for r, (tid, lp) in enumerate(top, start=1):
-            entry.setdefault(tid, Logprob(lp, r))  # the sampled token keeps its own rank (ties: equal)
+            entry.setdefault(tid, Logprob(lp, r))  # the token keeps its own rank (ties: equal)
         for tid, lp in entry.items():
             lp.decoded_token = self.tokenizer.decode([tid])
-        assert state.logprobs is not None
-        state.logprobs.append(entry)
-        state.cumulative_logprob += logprob
+        return entry
 
     def _stop_string(self, state: RequestState, delta_len: int) -> bool:
         """Whether the text's new part completes a stop string; if so, cut the text there and keep the string."""
@@ -231,4 +240,5 @@ class OutputProcessor:
             metrics,
             new_text,
             new_ids,
+            state.prompt_logprobs,
         )

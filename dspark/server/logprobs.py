@@ -3,6 +3,8 @@ the top N) in OpenAI's two response shapes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from dspark.outputs import Logprob
 from dspark.server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 
@@ -25,6 +27,33 @@ def completion_logprobs(
         out.text_offset.append(text_offset)
         text_offset += len(text)
     return out, text_offset
+
+
+def prompt_part(
+    prompt_ids: list[int], entries: list[dict[int, Logprob] | None] | None, first_text: str, num_top: int | None
+) -> tuple[CompletionLogprobs, int]:
+    """An echoed prompt in the legacy completions shape: its first token has no logprob (null, as OpenAI's and vLLM's),
+    the others their logprob given the tokens before. Returns the text offset after it too."""
+    out = CompletionLogprobs(tokens=[first_text], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+    if num_top is None or entries is None or len(prompt_ids) < 2:
+        return out, len(first_text)
+    rest, offset = completion_logprobs(prompt_ids[1:], entries[1:], num_top, len(first_text))  # type: ignore[arg-type]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(out, field).extend(getattr(rest, field))
+    return out, offset
+
+
+def vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs field: None first, then {token id: {logprob, rank, decoded_token}} per prompt token."""
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> list[TokenLogprob]:

@@ -305,5 +305,6 @@ def coalesce(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
             logprobs = (seen.new_logprobs or []) + (out.new_logprobs or [])
         out.new_token_ids, out.new_logprobs = tokens, logprobs
         out.first_token_time, out.first_scheduled_time = first_token_time, first_scheduled_time
+        out.prompt_logprobs = seen.prompt_logprobs or out.prompt_logprobs
         merged[out.request_id] = out
     return list(merged.values()) if len(merged) < len(outputs) else outputs

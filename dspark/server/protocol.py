@@ -2,7 +2,7 @@
 
 Requests are validated strictly (no "1" for 1, no 1.5 for an integer), so that a wrong type is named rather than
 silently coerced; ranges are checked where the engine checks them, by SamplingParams. Unknown fields are ignored, as
-vLLM does, and logged; fields of OpenAI's API that dspark cannot honour (echo, suffix, logit_bias, tools, a JSON
+vLLM does, and logged; fields of OpenAI's API that dspark cannot honour (suffix, logit_bias, tools, a JSON
 response_format, best_of > n) are refused with a 400 rather than ignored, since ignoring them would change what the
 client gets without telling it.
 """
@@ -74,7 +74,8 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion, in the text and (with logprobs) in the logprobs
+    prompt_logprobs: int | None = None  # vLLM's: each choice's prompt_logprobs, the top N of every prompt token
     suffix: str | None = None
     best_of: int | None = None
 
@@ -102,8 +103,6 @@ class CompletionRequest(SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
     def unsupported(self) -> tuple[str, Any, str] | None:
-        if self.echo:
-            return "echo", self.echo, "not supported: the completion never repeats the prompt"
         if self.suffix:
             return "suffix", self.suffix, "not supported (no fill-in-the-middle)"
         if self.best_of is not None and self.best_of != self.n:
@@ -194,6 +193,9 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's extra: the stop string or token id that ended the choice
+    # vLLM's extra, when prompt_logprobs was asked for: None for the first prompt token, then
+    # {token id: {"logprob", "rank", "decoded_token"}} for each
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(_Response):

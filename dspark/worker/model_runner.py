@@ -24,6 +24,7 @@ from dspark.core.scheduler import ScheduledRequest, SchedulerOutput
 from dspark.errors import ConfigError
 from dspark.models.config import ModelConfig
 from dspark.models.llama import CausalLM
+from dspark.outputs import TokenLogprobs
 from dspark.sample.ops import SamplingRow, logits_to_probs
 from dspark.sample.rejection import VerifyRow, verify, verify_plain
 from dspark.sample.sampler import SampledRow, Sampler
@@ -52,6 +53,8 @@ class RunnerOutput:
     # large share of a continued step's host work.
     tokens: list[int] | None = None
     spec: SpecResult | None = None  # a pipelined speculative step's outputs, one row per request in the step's order
+    # request id -> (index of the first prompt token covered, entries): SamplingParams.prompt_logprobs of prompt chunks
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,12 +75,14 @@ class Launched:
     # a step that continues the same entries (StepPolicy.next_step) to reuse, its positions one further on.
     temperature_rows: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
     spec: SpecLaunch | None = None  # a pipelined speculative step (worker/spec_pipeline.py)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logprobs are held at once (49k fp32 each: 48 MiB)
 GRAPH_MAX_TOKENS = 8192  # steps past this run eagerly: their kernels are long enough that launches no longer matter
 
 
@@ -261,6 +266,8 @@ class ModelRunner:
                 return self._logits(hidden, rows)
 
         launched = Launched(sched)
+        if not sched.continued:
+            launched.prompt_logprobs = self._prompt_logprobs(sched, logits_of, query_start)
         # A continued step's requests all sample, without drafts or logprobs (StepPolicy.next_step checked
         # them): not asked again, request by request, every step.
         continued = sched.continued
@@ -365,6 +372,12 @@ class ModelRunner:
 
     def collect(self, launched: Launched) -> RunnerOutput:
         """The step's output; for a plain sampling step, the one wait for its tokens."""
+        out = self._collect(launched)
+        if launched.prompt_logprobs:
+            out.prompt_logprobs = launched.prompt_logprobs
+        return out
+
+    def _collect(self, launched: Launched) -> RunnerOutput:
         if launched.spec is not None:
             return RunnerOutput({}, spec=SpecPipeline.collect(launched.spec))
         if launched.output is not None:
@@ -469,6 +482,49 @@ class ModelRunner:
         """fp32 logits of these rows of the step ([len(rows) padded to a multiple of 4, vocab])."""
         padded = rows + [rows[-1]] * (rows_for(len(rows), self.pad_rows) - len(rows))
         return self.model.compute_logits(hidden[upload(padded, torch.int64, self.device)])
+
+    def _prompt_logprobs(
+        self, sched: SchedulerOutput, logits_of: LogitsOf, query_start: list[int]
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """SamplingParams.prompt_logprobs of this step's prompt chunks: at each chunk position p before the prompt's
+        last, prompt token p + 1's logprob, its rank (1 + the tokens more likely) and the top N. Read on the host at
+        once, PROMPT_LOGPROB_ROWS rows at a time (a vocabulary-wide fp32 row each): requests that ask are rare."""
+        asks = []
+        for r, s in enumerate(sched.scheduled):
+            req = s.request
+            n = len(req.prompt_token_ids)
+            if req.sampling_params.prompt_logprobs is not None and req.num_computed_tokens < n - 1:
+                start = req.num_computed_tokens
+                asks.append((r, req, start, min(start + s.num_new_tokens, n - 1)))  # the last predicts an output
+        if not asks:
+            return {}
+        rows = [query_start[r] + i for r, _, start, stop in asks for i in range(stop - start)]
+        targets = [t for _, req, start, stop in asks for t in req.prompt_token_ids[start + 1 : stop + 1]]
+        top_n = max(req.sampling_params.prompt_logprobs or 0 for _, req, _, _ in asks)
+        chosen, ranks, top_ids, top_lps = [], [], [], []
+        for at in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            piece = rows[at : at + PROMPT_LOGPROB_ROWS]
+            logprobs = torch.log_softmax(logits_of(piece)[: len(piece)].float(), dim=-1)
+            target = torch.tensor(targets[at : at + len(piece)], device=logprobs.device)
+            lp = logprobs.gather(1, target[:, None])[:, 0]
+            chosen += lp.tolist()
+            ranks += ((logprobs > lp[:, None]).sum(1) + 1).tolist()
+            if top_n:
+                values, ids = logprobs.topk(top_n, dim=-1)
+                top_lps += values.tolist()
+                top_ids += ids.tolist()
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        j = 0
+        for _, req, start, stop in asks:
+            k = req.sampling_params.prompt_logprobs or 0
+            entries: list[TokenLogprobs] = []
+            for i in range(j, j + stop - start):
+                entries.append(
+                    (chosen[i], ranks[i], list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if k else [])
+                )
+            out[req.request_id] = (start, entries)
+            j += stop - start
+        return out
 
     def _sample(self, sched: SchedulerOutput, logits_of: LogitsOf, query_start: list[int]) -> RunnerOutput:
         sampling = [(r, s) for r, s in enumerate(sched.scheduled) if s.samples]

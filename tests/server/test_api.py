@@ -237,6 +237,34 @@ def test_completion_logprobs_shape(plain: openai.OpenAI) -> None:
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
 
 
+def test_echo_and_prompt_logprobs(plain: openai.OpenAI) -> None:
+    """echo repeats the prompt before the completion and, with logprobs, scores it (the first token's logprob null):
+    lm-evaluation-harness's loglikelihood requests. vLLM's prompt_logprobs gives the same numbers in its own field."""
+    plain_out = plain.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY)
+    echoed = plain.completions.create(model=MODEL_NAME, prompt=PROMPT, echo=True, **GREEDY)
+    assert echoed.choices[0].text == PROMPT + plain_out.choices[0].text
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 2}
+    scored = plain.completions.create(**body, extra_body={"prompt_logprobs": 2})
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    num_prompt = scored.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == num_prompt + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens[:num_prompt]) == PROMPT
+    vllm_field = choice.model_extra["prompt_logprobs"]
+    assert len(vllm_field) == num_prompt and vllm_field[0] is None
+    for i, entry in enumerate(vllm_field[1:], start=1):  # the prompt token's own entry carries the echoed logprob
+        (mine,) = [
+            e for e in entry.values() if e["decoded_token"] == lp.tokens[i] and e["logprob"] == lp.token_logprobs[i]
+        ]
+        assert mine["rank"] >= 1 and len(entry) <= 3
+    streamed = plain.completions.create(**body, stream=True)
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    assert [t for c in chunks if c.logprobs is not None for t in c.logprobs.token_logprobs] == lp.token_logprobs
+
+
 def test_chat_logprobs_shape(plain: openai.OpenAI) -> None:
     out = plain.chat.completions.create(model=MODEL_NAME, messages=CHAT, logprobs=True, top_logprobs=2, **GREEDY)
     content = out.choices[0].logprobs.content

@@ -76,6 +76,14 @@ def test_answers_equal_the_in_process_server(servers: tuple[str, str, ProcessEng
     wait_for(lambda: drained(process_url), what="every block back in the core")
 
 
+def test_echoed_prompt_logprobs_cross_the_process_boundary(servers: tuple[str, str, ProcessEngine]) -> None:
+    body = {"prompt": "one two three four", "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2}
+    answers = [_complete(url, **body, prompt_logprobs=1)[1]["choices"][0] for url in servers[:2]]
+    assert answers[0] == answers[1]
+    assert answers[0]["logprobs"]["token_logprobs"][0] is None and answers[0]["prompt_logprobs"][0] is None
+    assert len(answers[0]["prompt_logprobs"]) == len(answers[0]["logprobs"]["tokens"]) - 2
+
+
 def test_a_client_that_leaves_frees_its_blocks_in_the_core(servers: tuple[str, str, ProcessEngine]) -> None:
     _, url, _ = servers
     with _stream(url, prompt="one two three", max_tokens=900, ignore_eos=True) as lines:
