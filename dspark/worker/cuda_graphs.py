@@ -30,6 +30,7 @@ import torch
 from dspark.attention.base import AttentionBackend, AttentionContext, AttentionMetadata, KVCache
 from dspark.models.llama import CausalLM
 from dspark.utils.capture import capture_sizes
+from dspark.utils.progress import track
 
 
 class TableRows:
@@ -132,17 +133,17 @@ class GraphRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        shapes = [(q, t) for q in reversed(self.query_lens) for t in reversed(self.sizes[q])]
         with torch.cuda.stream(stream):
-            for q in reversed(self.query_lens):
-                for t in reversed(self.sizes[q]):
-                    r = min(t, self.max_num_seqs)
-                    self._warmup_inputs(t, r, q)
-                    backend = self.backend_factory()
-                    self.forward_static(backend, t, r, q)  # warm-up: compiles kernels, creates handles
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self.forward_static(backend, t, r, q)
-                    self.graphs[t, q] = _Graph(graph, t, r)
+            for q, t in track(shapes, "capturing CUDA graphs", unit="graph"):
+                r = min(t, self.max_num_seqs)
+                self._warmup_inputs(t, r, q)
+                backend = self.backend_factory()
+                self.forward_static(backend, t, r, q)  # warm-up: compiles kernels, creates handles
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.forward_static(backend, t, r, q)
+                self.graphs[t, q] = _Graph(graph, t, r)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 

@@ -29,6 +29,7 @@ from dspark.core.request import Request
 from dspark.core.scheduler import ScheduledRequest, SchedulerOutput
 from dspark.models.registry import cache_dir
 from dspark.speculative.cost_model import CostModel
+from dspark.utils.progress import track
 from dspark.worker.model_runner import ModelRunner
 
 CONTEXT_TOKENS = 128  # the synthetic context every dummy request has (the curves ignore context length for now)
@@ -141,8 +142,10 @@ class CostProfiler:
     def profile(
         self, token_sizes: list[int], request_sizes: list[int], capture_limit: int, key: dict[str, Any]
     ) -> CostModel:
-        verify = {n: self.verify_ms(n) for n in token_sizes}
-        draft = {r: self.draft_ms(r) for r in request_sizes} if self.runner.drafter is not None else {1: 0.0}
+        verify = {n: self.verify_ms(n) for n in track(token_sizes, "profiling verification steps", unit="size")}
+        draft = {1: 0.0}
+        if self.runner.drafter is not None:
+            draft = {r: self.draft_ms(r) for r in track(request_sizes, "profiling drafting", unit="size")}
         return CostModel.from_points(verify, draft, capture_limit, key)
 
 

