@@ -274,7 +274,7 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[f
 class Run:
     results: list[RequestResult]  # in input order
     duration: float  # seconds from the first request due to the last one finished
-    max_in_flight: int  # most requests the client had open at once
+    max_in_flight: int  # most requests the client had open at once (several workers: the sum of their peaks)
     cpu_s: float = 0.0  # CPU seconds the client spent over the duration (all its processes)
 
 

@@ -367,9 +367,11 @@ class EngineCore:
             num_live += 1
             if prompt_logprobs and req.request_id in prompt_logprobs:
                 start, entries = prompt_logprobs[req.request_id]
-                # A chunk computed again after a preemption has its entries already.
-                if req.prompt_logprobs is not None and len(req.prompt_logprobs) == start:
-                    req.prompt_logprobs += entries
+                # After a preemption the prompt is computed again, in chunks that may end elsewhere: only the entries
+                # past those already kept are new.
+                kept = req.prompt_logprobs
+                if kept is not None and start <= len(kept) < start + len(entries):
+                    kept += entries[len(kept) - start :]
             sampled = result.sampled.get(req.request_id)
             num_rejected = 0
             if s.spec_token_ids:

@@ -57,6 +57,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
         self.stats = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_requests_failed": 0}
+        self._decoded: dict[int, str] = {}  # token id -> its text alone (logprobs' decoded_token)
         self.ending_ms = 0.0  # host time spent ending requests since the last take_ending_ms()
 
     def add(
@@ -94,12 +95,12 @@ class OutputProcessor:
                 continue
             if out.first_scheduled_time is not None:  # a full output (a plain one leaves the counters as they were)
                 state.last = out
-            if out.prompt_logprobs is not None:
-                prompt = state.prompt_token_ids
-                entries = [self._entry(t, row) for t, row in zip(prompt[1:], out.prompt_logprobs, strict=True)]
-                state.prompt_logprobs = [None, *entries]
             num_before = len(state.token_ids)
             try:
+                if out.prompt_logprobs is not None:
+                    prompt = state.prompt_token_ids
+                    entries = [self._entry(t, row) for t, row in zip(prompt[1:], out.prompt_logprobs, strict=True)]
+                    state.prompt_logprobs = [None, *entries]
                 num_dropped = self._update(state, out)
             except Exception:
                 # A fault in one request's output fails that request alone: the batch's others already have their
@@ -160,8 +161,12 @@ class OutputProcessor:
         entry = {token: Logprob(logprob, rank)}
         for r, (tid, lp) in enumerate(top, start=1):
             entry.setdefault(tid, Logprob(lp, r))  # the token keeps its own rank (ties: equal)
+        decoded = self._decoded
         for tid, lp in entry.items():
-            lp.decoded_token = self.tokenizer.decode([tid])
+            text = decoded.get(tid)
+            if text is None:  # a prompt's logprobs ask for thousands: each token id decoded once
+                text = decoded[tid] = self.tokenizer.decode([tid])
+            lp.decoded_token = text
         return entry
 
     def _stop_string(self, state: RequestState, delta_len: int) -> bool:

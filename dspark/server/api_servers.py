@@ -93,6 +93,11 @@ def bind(host: str, port: int, count: int = 1) -> list[socket.socket]:
     family, kind, proto, _, address = infos[0]
     socks: list[socket.socket] = []
     try:
+        if count > 1:  # SO_REUSEPORT would share a port another server of this user holds: make sure it is free
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+                address = probe.getsockname()  # port 0: the one chosen, for all of them
         for _ in range(count):
             sock = socket.socket(family, kind, proto)
             socks.append(sock)
@@ -138,7 +143,33 @@ def serve_many(
     ctx = zmq.Context()
     control = ctx.socket(zmq.PUSH)  # the launcher's own line to the core: Shutdown
     control.setsockopt(zmq.LINGER, 1000)
-    control.bind(f"ipc://{directory}/control")
+    core: Any = None
+    try:
+        control.bind(f"ipc://{directory}/control")
+        core, fronts = _start(config, count, names, api_key, max_body_bytes, log_level, socks, core_target, directory)
+        return _supervise(core, fronts, control)
+    finally:
+        if core is not None and core.is_alive():  # a failure before the core was stopped: it ignores SIGTERM
+            core.kill()
+            core.join(5)
+        for sock in socks:
+            sock.close()
+        control.close()
+        ctx.term()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _start(
+    config: EngineConfig,
+    count: int,
+    names: list[str],
+    api_key: str | None,
+    max_body_bytes: int,
+    log_level: str,
+    socks: list[socket.socket],
+    core_target: Callable[..., None],
+    directory: str,
+) -> tuple[Any, list[Any]]:
     spawn = multiprocessing.get_context("spawn")
     inputs = [f"ipc://{directory}/in-{i}" for i in range(count)]
     outputs = [f"ipc://{directory}/out-{i}" for i in range(count)]
@@ -163,25 +194,20 @@ def serve_many(
         front.start()
         fronts.append(front)
         sock.close()  # the API server has its own copy: a dead one's connections must not queue here unanswered
-    try:
-        return _supervise(core, fronts, control)
-    finally:
-        control.close()
-        ctx.term()
-        shutil.rmtree(directory, ignore_errors=True)
+    return core, fronts
 
 
 def _supervise(core: Any, fronts: list[Any], control: zmq.Socket) -> int:
     stopping = False
     failed = False
 
-    def stop(signum: int = signal.SIGINT, frame: object = None) -> None:
+    def stop(signum: int = signal.SIGTERM, frame: object = None) -> None:
         nonlocal stopping
-        # SIGINT, whichever signal came: uvicorn drains on the first and stops at once on a second, then raises the
-        # signal again once stopped, and SIGINT's KeyboardInterrupt ends an API server with 0 (SIGTERM's would be -15).
+        # The first signal: SIGTERM, uvicorn's graceful drain; one more from a service manager straight to the API
+        # servers changes nothing. Another signal here: SIGINT, which after the first makes uvicorn stop at once.
         for front in fronts:
             if front.is_alive():
-                os.kill(front.pid, signal.SIGINT)
+                os.kill(front.pid, signal.SIGINT if stopping else signal.SIGTERM)
         stopping = True
 
     signal.signal(signal.SIGINT, stop)
@@ -226,6 +252,9 @@ def run_front(
 ) -> None:
     """An API server's process (spawned by the launcher)."""
     os.setpgid(0, 0)  # out of the terminal's process group: Ctrl-C reaches the launcher, which stops us once
+    # uvicorn handles SIGTERM while it serves, then raises it again once stopped: ignored then, so that a graceful
+    # stop ends this process with 0 rather than -15.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     log = logging.getLogger("dspark")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[api server {slot.index}] %(message)s"))

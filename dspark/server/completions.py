@@ -94,8 +94,8 @@ def _echo(
     text = out.prompt if out.prompt is not None else tokenizer.decode(prompt)
     if body.logprobs is None:
         return text, None, len(text)
-    logprobs, offset = prompt_part(prompt, out.prompt_logprobs, tokenizer.decode(prompt[:1]), body.logprobs)
-    return text, logprobs, offset
+    logprobs, _ = prompt_part(prompt, out.prompt_logprobs, tokenizer.decode(prompt[:1]), body.logprobs)
+    return text, logprobs, len(text)  # the completion's offsets count from the text echoed
 
 
 def _choice(

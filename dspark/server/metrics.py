@@ -261,8 +261,16 @@ class ServerMetrics:
     async def publish_forever(self) -> None:
         """With several API servers: keep this one's file current (run as a task for the server's life)."""
         assert self.peers is not None
+        warned = False
         while True:
-            self.peers.publish(self.front_state())
+            try:
+                self.peers.publish(self.front_state())
+            except OSError as e:  # a full or vanished temporary directory: the others' scrapes miss this one's counts
+                if not warned:
+                    logger.warning(
+                        "cannot share this API server's metrics (%s); other API servers' /metrics miss them", e
+                    )
+                    warned = True
             await asyncio.sleep(PUBLISH_EVERY_S)
 
     def render(self) -> bytes:

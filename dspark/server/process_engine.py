@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -222,6 +224,10 @@ class ProcessEngine:
             self.dead = EngineDeadError(f"the front failed to read the engine core: {type(e).__name__}: {e}")
             self._fail_all(self.dead)
             self._client.terminate()  # nobody will read what it makes
+            if self.slot is not None:
+                # One of several API servers: the core is shared and keeps sending here. This one stops (the launcher
+                # then stops the server), rather than answer 503 while the core's queue to it fills.
+                os.kill(os.getpid(), signal.SIGINT)
 
     def _handle(self, messages: list[CoreMessage]) -> None:
         outputs: list[EngineCoreOutput] = []
@@ -305,6 +311,6 @@ def coalesce(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
             logprobs = (seen.new_logprobs or []) + (out.new_logprobs or [])
         out.new_token_ids, out.new_logprobs = tokens, logprobs
         out.first_token_time, out.first_scheduled_time = first_token_time, first_scheduled_time
-        out.prompt_logprobs = seen.prompt_logprobs or out.prompt_logprobs
+        out.prompt_logprobs = seen.prompt_logprobs if seen.prompt_logprobs is not None else out.prompt_logprobs
         merged[out.request_id] = out
     return list(merged.values()) if len(merged) < len(outputs) else outputs

@@ -57,3 +57,21 @@ def test_prompt_logprobs_zero_top_and_a_one_token_prompt(model_dir: Path) -> Non
     assert llm.generate([[5]], SamplingParams(max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs == [None]
     with pytest.raises(ConfigError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_prompt_logprobs_survive_preemption(model_dir: Path) -> None:
+    # 10 blocks of 16 tokens hold one request's 120 tokens, not two: one is preempted and computed again, and its
+    # prompt logprobs still hold each prompt token's entry once. (Whether the preemption falls mid-prompt depends on
+    # the schedule; the core keeps only entries past those it has, wherever the chunks of the recompute end.)
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=10, max_num_batched_tokens=24)
+    prompts = [[(5 * i + 7 * j) % 200 + 10 for i in range(50)] for j in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate(prompts, params)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        reference = _reference(model_dir, prompt)
+        entries = out.prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt)
+        for p in range(1, len(prompt)):
+            assert entries[p] is not None
+            assert entries[p][prompt[p]].logprob == pytest.approx(reference[p - 1][prompt[p]].item(), abs=1e-4)

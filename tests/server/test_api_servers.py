@@ -215,7 +215,7 @@ def _lines(proc: Any) -> list[str]:
     return lines
 
 
-def test_api_servers_share_the_requests_and_their_metrics_and_drain_on_ctrl_c(tiny_llama: Path) -> None:
+def test_api_servers_share_the_requests_and_their_metrics_and_drain_on_sigterm(tiny_llama: Path) -> None:
     flags = [*FLAGS, "--log-level", "info"]
     with _serve(tiny_llama, flags, start_new_session=True, stdout=subprocess.PIPE) as (proc, url, line):
         assert line.endswith("serving tiny through 2 API servers")
@@ -240,10 +240,12 @@ def test_api_servers_share_the_requests_and_their_metrics_and_drain_on_ctrl_c(ti
         assert _sample(text, 'dspark:request_success_total{finished_reason="length"}') == 12
         assert _sample(text, "dspark:e2e_request_latency_seconds_count") == 12
 
-        # Ctrl-C to the launcher's group: the API servers drain (a running stream finishes), then the core stops.
-        with _open_stream(url, prompt="one", max_tokens=300, ignore_eos=True) as stream:
+        # SIGTERM to every process, as a service manager sends it: the API servers drain (a running stream finishes),
+        # then the core stops. (A terminal's Ctrl-C reaches the launcher alone: the killed-core test ends that way.)
+        with _open_stream(url, prompt="one", max_tokens=150, ignore_eos=True) as stream:
             first = next(stream)
-            os.killpg(proc.pid, signal.SIGINT)
+            for pid in (proc.pid, core, *fronts):
+                os.kill(pid, signal.SIGTERM)
             events = [first.decode().strip(), *_events(stream)]
         last = json.loads(events[-2].removeprefix("data: "))
         assert events[-1] == "data: [DONE]" and last["choices"][0]["finish_reason"] == "length", events[-2:]

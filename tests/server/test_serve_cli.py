@@ -95,6 +95,23 @@ def test_bad_flags_are_one_line_before_loading(tiny_llama: Path, capsys: pytest.
         taken.close()
 
 
+def test_several_api_servers_do_not_share_a_port_held_elsewhere(
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Another server holding the port with SO_REUSEPORT would let ours bind and take half its connections.
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    try:
+        port = str(held.getsockname()[1])
+        assert main(["serve", str(tiny_llama), "--port", port, "--api-server-count", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"port={port}" in err[0] and "cannot bind" in err[0], err
+    finally:
+        held.close()
+
+
 def test_default_served_names() -> None:
     assert served_model_names("/models/tiny-llama", None) == ["/models/tiny-llama", "tiny-llama"]
     assert served_model_names("smollm2-135m-instruct", None) == ["smollm2-135m-instruct"]
@@ -132,7 +149,7 @@ def test_ctrl_c_to_the_process_group_lets_running_streams_finish(tiny_llama: Pat
     # A terminal's Ctrl-C reaches the server and its engine core alike: the core must outlive the graceful drain.
     flags = ["--port", "0", "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "512"]
     with _serve(tiny_llama, [*flags, "--served-model-name", "tiny"], start_new_session=True) as (proc, url, _):
-        body = {"model": "tiny", "prompt": "one", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        body = {"model": "tiny", "prompt": "one", "max_tokens": 150, "ignore_eos": True, "stream": True}
         request = urllib.request.Request(
             f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
