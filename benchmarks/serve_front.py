@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import json
 import os
 import resource
@@ -22,9 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import zmq
-
-from dspark.engine.core_proc import CoreLoop, Ready, output_encoder
+from dspark.engine.core_proc import run_core
 from dspark.engine.messages import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 
 
@@ -68,21 +67,12 @@ class StubCore:
         return {"num_requests_running": len(self.requests)}
 
 
-def run_stub_core(
-    config: Any, input_addresses: str | list[str], output_addresses: str | list[str], parent_pid: int
-) -> None:
-    ctx = zmq.Context()
-    inputs = ctx.socket(zmq.PULL)
-    for address in [input_addresses] if isinstance(input_addresses, str) else input_addresses:
-        inputs.connect(address)
-    outputs = []
-    for address in [output_addresses] if isinstance(output_addresses, str) else output_addresses:
-        outputs.append(ctx.socket(zmq.PUSH))
-        outputs[-1].connect(address)
-    core = StubCore(float(os.environ["STUB_STEP_MS"]))
-    for socket in outputs:
-        socket.send(output_encoder.encode(Ready(core.info, os.getpid())))
-    CoreLoop(core, inputs, outputs).run()
+def make_stub_core(config: Any) -> StubCore:
+    return StubCore(float(os.environ["STUB_STEP_MS"]))
+
+
+# engine/core_proc.py's entry point, building the stub instead of an EngineCore (picklable: spawn starts it)
+run_stub_core = functools.partial(run_core, make_core=make_stub_core)
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -95,10 +96,15 @@ output_decoder = msgspec.msgpack.Decoder(CoreMessage)
 
 
 def run_core(
-    config: EngineConfig, input_addresses: str | list[str], output_addresses: str | list[str], parent_pid: int
+    config: EngineConfig,
+    input_addresses: str | list[str],
+    output_addresses: str | list[str],
+    parent_pid: int,
+    make_core: Callable[[EngineConfig], Any] | None = None,
 ) -> None:
     """The process's entry point (multiprocessing, spawn): inputs from every input address, outputs to front i at
-    output address i. The core exits with its parent (the front, or the launcher of several)."""
+    output address i. The core exits with its parent (the front, or the launcher of several). make_core: builds
+    the core (EngineCore; a benchmark's stub, with EngineCore's interface)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s (core): %(message)s")
     # Ctrl-C and a service manager's SIGTERM reach the whole process group: the front stops the core (a Shutdown
     # message, after its graceful drain), so the core must not die under the streams still finishing.
@@ -115,9 +121,11 @@ def run_core(
         outputs[-1].setsockopt(zmq.LINGER, 2000)
         outputs[-1].connect(address)  # connected (not bound): a message waits for a front not yet up
     try:
-        from dspark.engine.core import EngineCore
+        if make_core is None:
+            from dspark.engine.core import EngineCore
 
-        core = EngineCore(config)
+            make_core = EngineCore
+        core = make_core(config)
     except BaseException as e:
         logger.critical("the engine core failed to start", exc_info=True)
         failed = output_encoder.encode(StartFailed(f"{type(e).__name__}: {e}"))

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from test_process_engine import _complete, _status
 from test_serve_cli import _serve
 
 from dspark.config import SamplingParams
@@ -178,24 +179,6 @@ def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
     while any(Path(f"/proc/{p}").exists() for p in pids):
         assert time.monotonic() < deadline, "the core or an API server outlived the launcher"
         time.sleep(0.1)
-
-
-def _status(url: str, path: str = "/health") -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"{url}{path}", timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def _complete(url: str, **body: object) -> tuple[int, dict[str, Any]]:
-    data = json.dumps({"model": "tiny", **body}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def _open_stream(url: str, **body: object) -> Any:
