@@ -94,29 +94,17 @@ async def run_benchmark(
             warm = [inputs[i % len(inputs)] for i in range(num_warmups)]
             await run_requests(session, endpoint, warm, max_concurrency=max_concurrency, desc="warmup", progress=False)
         before = spec_decode_counters(await fetch_metrics(session, endpoint.base_url, endpoint.api_key))
+        load: dict[str, Any] = {
+            "max_concurrency": max_concurrency,
+            "request_rate": request_rate,
+            "seed": seed,
+            "desc": "bench serve",
+            "progress": progress,
+        }
         if num_workers > 1:
-            run = await asyncio.to_thread(
-                run_in_workers,
-                endpoint,
-                inputs,
-                num_workers,
-                max_concurrency=max_concurrency,
-                request_rate=request_rate,
-                seed=seed,
-                desc="bench serve",
-                progress=progress,
-            )
+            run = await asyncio.to_thread(lambda: run_in_workers(endpoint, inputs, num_workers, **load))
         else:
-            run = await run_requests(
-                session,
-                endpoint,
-                inputs,
-                max_concurrency=max_concurrency,
-                request_rate=request_rate,
-                seed=seed,
-                desc="bench serve",
-                progress=progress,
-            )
+            run = await run_requests(session, endpoint, inputs, **load)
         after = spec_decode_counters(await fetch_metrics(session, endpoint.base_url, endpoint.api_key))
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
