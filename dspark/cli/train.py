@@ -20,6 +20,8 @@ TRAIN_EPILOG = """\
 examples:
   dspark train-drafter --data-dir ../shared/data --output-dir runs/smollm2 --steps 4000 --device cuda
   dspark train-drafter --data-dir ../shared/data --output-dir runs/smollm2 --steps 8000   # resume, train longer
+  python benchmarks/drafter/merge_data.py runs/big/sequences.npz shard-*.npz   # answers made beforehand, then:
+  dspark train-drafter --data-dir ../shared/data --output-dir runs/big --batch-size 64 --device cuda --dtype bfloat16
 """
 
 
@@ -165,7 +167,9 @@ def add_parser(subparsers: Any) -> None:
         help="train a DSpark drafter for the model on its own answers (resumable)",
         description="Build a prompt pool from --data-dir (never its evaluation sets), have the model answer it,\n"
         "then train a DSpark drafter on those answers with the target frozen and run online. Everything lives in\n"
-        "--output-dir: run again with the same directory to resume; the drafter is in <output-dir>/drafter.",
+        "--output-dir: run again with the same directory to resume; the drafter is in <output-dir>/drafter.\n"
+        "Answers made beforehand (benchmarks/drafter/gen_data.py) are used instead when --output-dir holds\n"
+        "sequences.npz (uint16 token ids) or sequences.jsonl.",
         epilog=TRAIN_EPILOG,
         formatter_class=Formatter,
     )

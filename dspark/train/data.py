@@ -10,33 +10,55 @@ Sources, from a directory laid out as ../shared/data (MANIFEST.md there has the 
 - alpaca/seed_tasks.jsonl and llamafactory/alpaca_en_demo.json: instructions (+ input), never their outputs (chat);
 - llamafactory/c4_demo.jsonl: the first words of web text, to be continued (no chat template);
 - Python's standard library: the head of a function, to be completed (no chat template).
+Prompts the target writes itself (Magpie) come from train/magpie.py.
+
+Answers are stored as JSON lines (one sequence a line) or, compactly, as one .npz of flat uint16 token ids with
+offsets: the form in which tens of millions of tokens travel to and from a GPU run.
 """
 
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
+import math
+import os
 import random
 import re
 import sysconfig
 import time
-from dataclasses import dataclass
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from dspark.config import SamplingParams
 from dspark.errors import ConfigError
-from dspark.llm import LLM
+from dspark.llm import LLM, Message
+from dspark.outputs import CompletionOutput
 
 MBPP_TEST_IDS = range(11, 511)
+TOKEN_DTYPE = np.uint16  # SmolLM2's 49152 ids fit; a larger vocabulary is refused by name, not wrapped around
+NPZ_ARRAYS = ("tokens", "offsets", "num_prompt_tokens", "temperature")
 
 
 @dataclass
 class Prompt:
     source: str
-    text: str
+    text: str  # the (last) user turn, or the raw text to continue
     chat: bool  # apply the chat template (a user turn) or continue the raw text
+    history: tuple[Message, ...] = ()  # earlier turns of a chat, user and assistant alternating, before text
+
+    def messages(self) -> list[Message]:
+        return [*self.history, {"role": "user", "content": self.text}]
+
+
+def prompt_ids(llm: LLM, prompt: Prompt) -> list[int]:
+    """The prompt's token ids as the target sees them: its chat template with the answer's header open, or the raw
+    text."""
+    return llm.apply_chat_template(prompt.messages()) if prompt.chat else llm.tokenizer.encode(prompt.text)
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -110,26 +132,154 @@ def prompt_pool(data_dir: Path, per_source: int = 2000, seed: int = 0) -> list[P
 class Sequence:
     tokens: list[int]
     num_prompt_tokens: int  # the loss covers the response only
+    temperature: float | None = None  # the answer's sampling temperature; None: not recorded (older files)
+    # In memory only, never stored: the prompt answered, so that a follow-up user turn can be written for it.
+    prompt: Prompt | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> str:
-        return json.dumps({"tokens": self.tokens, "num_prompt_tokens": self.num_prompt_tokens})
+        record: dict[str, object] = {"tokens": self.tokens, "num_prompt_tokens": self.num_prompt_tokens}
+        if self.temperature is not None:
+            record["temperature"] = self.temperature
+        return json.dumps(record)
 
 
 def save_sequences(path: Path, sequences: list[Sequence]) -> None:
-    path.write_text("".join(s.to_json() + "\n" for s in sequences))
+    """Write path.npz as compact arrays, any other name as JSON lines. Atomic: a run stopped while writing leaves the
+    previous file, never half of one."""
+    payload = _npz_arrays(path, sequences) if path.suffix == ".npz" else None
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        if payload is not None:
+            np.savez_compressed(f, **payload)
+        else:
+            f.write("".join(s.to_json() + "\n" for s in sequences).encode())
+    os.replace(tmp, path)
 
 
 def load_sequences(path: Path) -> list[Sequence]:
+    """Sequences from an .npz written by save_sequences, or from JSON lines (any other name)."""
+    if path.suffix == ".npz":
+        return _load_npz(path)
     out = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         try:
             r = json.loads(line)
-            out.append(Sequence([int(t) for t in r["tokens"]], int(r["num_prompt_tokens"])))
-        except (ValueError, KeyError, TypeError) as e:
+            temperature = r.get("temperature")
+            out.append(
+                Sequence(
+                    [int(t) for t in r["tokens"]],
+                    int(r["num_prompt_tokens"]),
+                    None if temperature is None else float(temperature),
+                )
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(
                 "sequences", f"{path}:{i}", f"a JSON line with tokens and num_prompt_tokens ({e})"
             ) from None
     return out
+
+
+def merge_sequences(inputs: list[Path], output: Path) -> int:
+    """Concatenate sequence files (JSON lines or .npz, in any mix) into output, in order; returns the count."""
+    sequences = [s for path in inputs for s in load_sequences(path)]
+    save_sequences(output, sequences)
+    return len(sequences)
+
+
+SEQUENCE_FILES = ("sequences.npz", "sequences.jsonl")
+
+
+def sequences_file(run: Path) -> Path | None:
+    """The run directory's sequences (one of SEQUENCE_FILES), or None when it has none yet."""
+    found = [run / name for name in SEQUENCE_FILES if (run / name).exists()]
+    if len(found) > 1:  # which of the two trains would be a guess
+        raise ConfigError("output_dir", str(run), f"holds both {' and '.join(SEQUENCE_FILES)}; keep one")
+    return found[0] if found else None
+
+
+def _npz_arrays(path: Path, sequences: list[Sequence]) -> dict[str, np.ndarray]:
+    offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
+    np.cumsum([len(s.tokens) for s in sequences], out=offsets[1:])
+    tokens = np.fromiter(
+        itertools.chain.from_iterable(s.tokens for s in sequences), dtype=np.int64, count=int(offsets[-1])
+    )
+    limit = int(np.iinfo(TOKEN_DTYPE).max)
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > limit):
+        raise ConfigError(
+            "sequences",
+            str(path),
+            f"token ids in [0, {limit}] to store them as {np.dtype(TOKEN_DTYPE).name}, but the largest id is "
+            f"{int(tokens.max())} and the smallest {int(tokens.min())}: save as .jsonl",
+        )
+    return {
+        "tokens": tokens.astype(TOKEN_DTYPE),
+        "offsets": offsets,
+        "num_prompt_tokens": np.array([s.num_prompt_tokens for s in sequences], dtype=np.int32),
+        # NaN: not recorded. float32 holds any temperature to the 4 decimals load keeps.
+        "temperature": np.array(
+            [math.nan if s.temperature is None else s.temperature for s in sequences], dtype=np.float32
+        ),
+    }
+
+
+def _load_npz(path: Path) -> list[Sequence]:
+    wanted = f"an .npz of save_sequences (arrays {', '.join(NPZ_ARRAYS)})"
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {name: z[name] for name in NPZ_ARRAYS}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        raise ConfigError("sequences", str(path), f"{wanted} ({e})") from None
+    tokens, offsets = arrays["tokens"], arrays["offsets"]
+    num_prompt, temperature = arrays["num_prompt_tokens"], arrays["temperature"]
+    n = len(num_prompt)
+    lengths = np.diff(offsets)
+    if not (
+        tokens.dtype == TOKEN_DTYPE
+        and len(offsets) == n + 1
+        and len(temperature) == n
+        and offsets[0] == 0
+        and offsets[-1] == len(tokens)
+        and (lengths >= 0).all()
+        and ((num_prompt >= 0) & (num_prompt <= lengths)).all()
+    ):
+        raise ConfigError("sequences", str(path), f"{wanted}, consistent: offsets from 0 to len(tokens), one per row")
+    flat, bounds = tokens.tolist(), offsets.tolist()
+    return [
+        Sequence(flat[bounds[i] : bounds[i + 1]], p, None if math.isnan(t) else round(t, 4))
+        for i, (p, t) in enumerate(zip(num_prompt.tolist(), temperature.tolist(), strict=True))
+    ]
+
+
+def run_requests(
+    llm: LLM,
+    requests: list[tuple[list[int], SamplingParams]],
+    deadline: float | None = None,
+    progress: bool = False,
+    desc: str = "answers",
+) -> dict[int, CompletionOutput]:
+    """Queue every request at once, step the engine until all finish or the deadline (time.monotonic()) passes, and
+    return the finished outputs by request index. A prompt that leaves no room for an answer in max_model_len is
+    skipped (a pool is not checked against every engine's limit); requests unfinished at the deadline are aborted.
+    Neither is in the result. Give the params output_kind="final_only": no per-step outputs to build."""
+    engine = llm.engine
+    index: dict[str, int] = {}
+    for i, (ids, params) in enumerate(requests):
+        if len(ids) < engine.max_model_len:
+            index[engine.add_request(ids, params)] = i
+    done: dict[int, CompletionOutput] = {}
+    bar = tqdm(total=len(index), desc=desc, unit="req", disable=not progress)
+    try:
+        while engine.has_unfinished_requests():
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            for out in engine.step():
+                if out.finished and out.request_id in index:
+                    bar.update(1)
+                    done[index[out.request_id]] = out.outputs[0]
+    finally:
+        bar.close()
+        engine.abort_request([r for r, i in index.items() if i not in done])
+    return done
 
 
 def regenerate(
@@ -137,38 +287,30 @@ def regenerate(
     prompts: list[Prompt],
     samples_per_prompt: int = 1,
     max_tokens: int = 256,
-    temperature: float = 1.0,
+    temperature: float | list[float] = 1.0,
     seed: int = 0,
     deadline: float | None = None,
     progress: bool = False,
 ) -> list[Sequence]:
-    """The target's own answers: each prompt (chat-templated or raw) sampled samples_per_prompt times, all queued at
-    once. With a deadline (time.monotonic()), requests still unfinished then are aborted and left out. Prompts that
-    leave no room for an answer in max_model_len are skipped (a pool is not checked against every engine's limit)."""
-    engine = llm.engine
-    ids: dict[str, list[int]] = {}
+    """The target's own answers: each prompt (chat-templated or raw) answered at each temperature, samples_per_prompt
+    times (once at temperature 0: greedy answers do not vary), all queued at once, prompt by prompt, so that a
+    deadline cuts every temperature alike. With a deadline (time.monotonic()), requests unfinished then are left out,
+    as are prompts with no room for an answer in max_model_len. Sequences come in submission order."""
+    temperatures = [temperature] if isinstance(temperature, int | float) else list(temperature)
+    requests: list[tuple[list[int], SamplingParams]] = []
+    asked: list[tuple[Prompt, float]] = []
     for i, p in enumerate(prompts):
-        prompt_ids = (
-            llm.apply_chat_template([{"role": "user", "content": p.text}]) if p.chat else llm.tokenizer.encode(p.text)
-        )
-        if len(prompt_ids) >= engine.max_model_len:
-            continue
-        for j in range(samples_per_prompt):
-            params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i * 1000 + j)
-            ids[engine.add_request(prompt_ids, params)] = prompt_ids
-    done: dict[str, Sequence] = {}
-    bar = tqdm(total=len(ids), desc="answers", unit="req", disable=not progress)
-    try:
-        while engine.has_unfinished_requests():
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            for out in engine.step():
-                if out.finished:
-                    bar.update(1)
-                    if out.outputs[0].token_ids:
-                        p = ids[out.request_id]
-                        done[out.request_id] = Sequence(list(p) + list(out.outputs[0].token_ids), len(p))
-    finally:
-        bar.close()
-        engine.abort_request([r for r in ids if r not in done])
-    return [done[r] for r in ids if r in done]  # in submission order
+        ids = prompt_ids(llm, p)
+        for t in temperatures:
+            for j in range(samples_per_prompt if t > 0 else 1):
+                params = SamplingParams(
+                    temperature=t, max_tokens=max_tokens, seed=seed + i * 1000 + j, output_kind="final_only"
+                )
+                requests.append((ids, params))
+                asked.append((p, t))
+    done = run_requests(llm, requests, deadline, progress)
+    return [
+        Sequence(requests[i][0] + list(done[i].token_ids), len(requests[i][0]), asked[i][1], asked[i][0])
+        for i in range(len(requests))
+        if i in done and done[i].token_ids
+    ]

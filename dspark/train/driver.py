@@ -1,7 +1,8 @@
 """`dspark train-drafter`: data, training loop, checkpoints and resume for a DSpark drafter of a target.
 
 The run directory holds everything, so a run may span several machines or GPU sessions:
-- sequences.jsonl: the target's regenerated answers (made once; a resumed run reuses them);
+- sequences.npz or sequences.jsonl: the target's regenerated answers (made once, as JSON lines, when neither is there;
+  a resumed run reuses them; benchmarks/drafter/gen_data.py makes them at scale);
 - drafter/: the latest drafter checkpoint (config.json + model.safetensors, what the engine loads);
 - state.safetensors + state.json: the optimiser's moments and the step counters. Only safetensors and JSON are
   written or read (no pickle).
@@ -25,7 +26,7 @@ from dspark.errors import ConfigError
 from dspark.llm import LLM
 from dspark.speculative.drafters.dspark.checkpoint import load_drafter, random_drafter, save_drafter
 from dspark.speculative.drafters.dspark.config import DSparkConfig
-from dspark.train.data import Sequence, load_sequences, prompt_pool, regenerate, save_sequences
+from dspark.train.data import Sequence, load_sequences, prompt_pool, regenerate, save_sequences, sequences_file
 from dspark.train.trainer import batch_loss, make_optimizer, optimiser_step, pad_batch
 
 
@@ -93,15 +94,15 @@ def train_drafter(cfg: TrainConfig, llm: LLM, progress: bool = True) -> dict[str
         p.requires_grad_(False)
     device, dtype = llm.engine.device, llm.engine.dtype
 
-    seq_path = run / "sequences.jsonl"
-    if seq_path.exists():
+    seq_path = sequences_file(run)
+    if seq_path is not None:
         sequences = load_sequences(seq_path)
     else:
         pool = prompt_pool(Path(cfg.data_dir), cfg.prompts_per_source, cfg.seed)
         sequences = regenerate(
             llm, pool, cfg.samples_per_prompt, cfg.max_tokens, cfg.temperature, cfg.seed, progress=progress
         )
-        save_sequences(seq_path, sequences)
+        save_sequences(run / "sequences.jsonl", sequences)
     if not sequences:
         raise ConfigError("data_dir", cfg.data_dir, "gave no training sequence")
 
