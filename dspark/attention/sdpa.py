@@ -12,6 +12,10 @@ torch's CPU flash kernel is slow in bf16 for short queries (it tiles for long on
 two plain matmuls at batch 16), so a short call in bf16 with enough keys runs as two batched matmuls around an fp32
 softmax (`_attend_matmul`), as transformers' eager attention does.
 
+A decode step (one query per request, causal) in fp32 or bf16 skips all of that where kernels/cpu.py builds:
+one C kernel writes each request's key and value and attends over its blocks in place, with no gather, mask or
+padding to the longest context.
+
 A row's bits may depend on what is batched beside it (BLAS picks kernels by shape): dspark's batch-invariant mode
 uses torch_ref.TorchAttention instead (docs/numerics.md).
 """
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 
 from dspark.attention.base import AttentionMetadata, KVCache
 from dspark.attention.torch_ref import write_kv
+from dspark.kernels import cpu as cpu_kernels
 
 SHORT_QUERY = 16  # queries at most this long are batched across requests
 # bf16 short calls with at least this many (request, key) pairs take two matmuls, not SDPA (measured crossover: SDPA
@@ -53,23 +58,37 @@ class SdpaAttention:
     name = "sdpa"
 
     def __init__(self) -> None:
-        self._calls: list[_Call] = []
+        self._calls: list[_Call] | None = []
         self._meta: AttentionMetadata | None = None
+        self._block_size = 0
+        self._decode = False  # this step is one query per request, for cpu_kernels.decode_attention
 
     def prepare(self, meta: AttentionMetadata, num_kv_heads: int, num_heads: int, block_size: int) -> None:
-        """Build this step's calls; called once per step by the model runner, before the forward."""
+        """Plan this step; called once per step by the model runner, before the forward. A decode step's calls are
+        built only if the kernel cannot take it (a dtype it lacks)."""
+        self._meta, self._block_size = meta, block_size
+        self._decode = (
+            meta.causal
+            and meta.max_query_len == 1
+            and meta.num_reqs == meta.num_actual_tokens
+            and meta.slot_mapping.device.type == "cpu"
+            and cpu_kernels.lib() is not None
+        )
+        self._calls = None if self._decode else self._plan(meta, block_size)
+
+    def _plan(self, meta: AttentionMetadata, block_size: int) -> list[_Call]:
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         q_lens = [starts[r + 1] - starts[r] for r in range(meta.num_reqs)]
         short = [r for r in range(meta.num_reqs) if 0 < q_lens[r] <= SHORT_QUERY]
         long = [r for r in range(meta.num_reqs) if q_lens[r] > SHORT_QUERY]
         device = meta.slot_mapping.device
         tables = meta.block_tables.long()
-        self._calls = []
+        calls = []
         if short:
-            self._calls.append(self._short(short, starts, lens, q_lens, tables, block_size, device, meta.causal))
+            calls.append(self._short(short, starts, lens, q_lens, tables, block_size, device, meta.causal))
         for r in long:
-            self._calls.append(self._long(r, starts, lens, q_lens, tables, block_size, device, meta.causal))
-        self._meta = meta
+            calls.append(self._long(r, starts, lens, q_lens, tables, block_size, device, meta.causal))
+        return calls
 
     @staticmethod
     def _blocks(tables: torch.Tensor, reqs: list[int], num_keys: int, block_size: int) -> torch.Tensor:
@@ -149,6 +168,12 @@ class SdpaAttention:
     ) -> torch.Tensor:
         assert meta is self._meta, "prepare() must be called with this step's metadata"
         n = meta.num_actual_tokens
+        if self._decode and q.shape[0] == n and cache.key.dtype == q.dtype and cpu_kernels.supports(q):
+            return cpu_kernels.decode_attention(
+                q, k, v, cache.key, cache.value, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale
+            )
+        if self._calls is None:  # a decode step the kernel does not take after all
+            self._calls = self._plan(meta, self._block_size)
         write_kv(cache, k[:n], v[:n], meta.slot_mapping[:n])
         first = self._calls[0] if len(self._calls) == 1 else None
         if first is not None and first.query_rows is None and first.blocks.shape[0] * first.q_pad == q.shape[0]:

@@ -7,8 +7,9 @@ Three paths. The torch code below is the reference and the batch-invariant CPU p
 transformers, bit for bit across batch sizes). For inference on CUDA with Triton, the norms, rotary and SiLU run as the
 fused kernels of models/fused_ops.py, each residual add happens inside the next norm (`decoder_stack`), and after
 `fuse_weights()` q/k/v and gate/up are one GEMM each: about ten kernels per layer instead of ~45. The fast CPU path
-(`use_fast_cpu_path`) runs the same merged GEMMs through oneDNN's pre-packed weights (models/cpu_gemm.py), rotary over
-q and k at once, and torch's fused SiLU.
+(`use_fast_cpu_path`) runs the same merged GEMMs through oneDNN's pre-packed weights (models/cpu_gemm.py) and, where
+the C kernels of kernels/cpu.py build, the fused path's structure with their norms, rotary and SiLU (otherwise
+rotary over q and k at once in torch, and torch's fused SiLU).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.attention.base import AttentionContext
+from dspark.kernels import cpu as cpu_kernels
 from dspark.models import cpu_gemm, fused_ops
 from dspark.models.config import ModelConfig
 from dspark.models.invariant_gemm import linear
@@ -30,10 +32,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.cpu_fused = False  # the fast CPU path's C kernels (use_fast_cpu_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused_ops.enabled(x) and x.dim() in (2, 3):
             return fused_ops.rms_norm(x, self.weight, self.eps)
+        if self.cpu_fused and x.dim() == 2 and x.dtype == self.weight.dtype and cpu_kernels.supports(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         # NOTE: normalise in fp32 and cast back before the weight, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -41,6 +46,8 @@ class RMSNorm(nn.Module):
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused path: (self(x + residual), x + residual) in one kernel; x, residual: [num_tokens, dim]."""
+        if self.cpu_fused and not x.is_cuda:
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
         return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -118,6 +125,7 @@ class Attention(nn.Module):
         # touch them)
         self.qkv_packed: torch.Tensor | None = None
         self.o_packed: torch.Tensor | None = None
+        self.cpu_fused = False  # rotary through kernels/cpu.py (pack_for_cpu, where they build)
 
     def fuse_weights(self) -> None:
         self.qkv_weight, self.qkv_bias = _merge_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -126,6 +134,7 @@ class Attention(nn.Module):
         if self.qkv_weight is None:
             self.fuse_weights()
         self.qkv_packed, self.o_packed = cpu_gemm.pack(self.qkv_weight), cpu_gemm.pack(self.o_proj.weight)
+        self.cpu_fused = cpu_kernels.lib() is not None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
@@ -154,6 +163,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = apply_rotary(self.q_norm(qkv[:, :nq].view(n, self.num_heads, self.head_dim)), rope)
             k = apply_rotary(self.k_norm(qkv[:, nq : nq + nkv].view(n, self.num_kv_heads, self.head_dim)), rope)
+        elif self.cpu_fused and cpu_kernels.supports(qkv):
+            qk = qkv[:, : nq + nkv].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+            cpu_kernels.rotary_(qk, *rope)  # in place: the GEMM's output is this step's own
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             qk = apply_rotary(qkv[:, : nq + nkv].view(n, self.num_heads + self.num_kv_heads, self.head_dim), rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -187,6 +200,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # [2 * intermediate, hidden], gate rows first
         self.exact_silu = True  # SiLU element by element (batch-invariant mode on CPU); False: torch's fused F.silu
+        self.cpu_fused = False  # as Attention.cpu_fused
         self.gate_up_packed: torch.Tensor | None = None  # as Attention.qkv_packed
         self.down_packed: torch.Tensor | None = None
 
@@ -198,10 +212,13 @@ class MLP(nn.Module):
             self.fuse_weights()
         self.gate_up_packed, self.down_packed = cpu_gemm.pack(self.gate_up_weight), cpu_gemm.pack(self.down_proj.weight)
         self.exact_silu = False
+        self.cpu_fused = cpu_kernels.lib() is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_packed is not None and self.down_packed is not None and not torch.is_grad_enabled():
             gate_up = cpu_gemm.linear(x, self.gate_up_packed, None)
+            if self.cpu_fused and cpu_kernels.supports(gate_up):
+                return cpu_gemm.linear(cpu_kernels.silu_mul(gate_up), self.down_packed, None)
             gate, up = gate_up.chunk(2, dim=-1)
             return cpu_gemm.linear(F.silu(gate) * up, self.down_packed, None)
         if fused_ops.enabled(x):
@@ -234,7 +251,7 @@ class DecoderLayer(nn.Module):
         self.mlp.fuse_weights()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        if fused_ops.enabled(x):
+        if _fused_structure(self, x):
             mlp_out, residual = self.forward_fused(self.input_layernorm(x), x, rope, ctx)
             return residual + mlp_out
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
@@ -253,6 +270,15 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def _fused_structure(layer: DecoderLayer, x: torch.Tensor) -> bool:
+    """Whether `layer` runs with the residual adds inside the norms: the CUDA path's Triton kernels, or the fast CPU
+    path's C kernels (for [num_tokens, hidden] activations of the norms' dtype)."""
+    if fused_ops.enabled(x):
+        return True
+    norm = layer.input_layernorm
+    return norm.cpu_fused and x.dim() == 2 and x.dtype == norm.weight.dtype and cpu_kernels.supports(x)
+
+
 def decoder_stack(
     layers: nn.ModuleList,
     norm: RMSNorm,
@@ -266,7 +292,7 @@ def decoder_stack(
     can run through it (a drafter's backbone too). on_taps: called with the taps as soon as the last one exists,
     before the layers after it run (a graph forks the drafter's context write off there)."""
     last_tap = max(tap_layers, default=-1)
-    if not fused_ops.enabled(x):
+    if not layers or not _fused_structure(layers[0], x):
         taps = []
         for i, layer in enumerate(layers):
             x = layer(x, rope, ctx)
@@ -374,5 +400,7 @@ def use_fast_cpu_path(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (Attention, MLP)):
             module.pack_for_cpu()
+        elif isinstance(module, RMSNorm):
+            module.cpu_fused = cpu_kernels.lib() is not None
         elif isinstance(module, CausalLM):
             module.lm_head_packed = cpu_gemm.pack(module.lm_head.weight)

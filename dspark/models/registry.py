@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dspark.errors import ModelLoadError
 from dspark.utils import progress
+from dspark.utils.platform import cache_dir
 
 logger = logging.getLogger("dspark")
 
@@ -52,10 +53,6 @@ def shipped_drafter(model: str) -> Path | None:
     """The drafter that ships for this target alias, if one does."""
     name = SHIPPED_DRAFTERS.get(model.lower())
     return ASSETS / name if name is not None and (ASSETS / name / "config.json").exists() else None
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark")
 
 
 def sha256_of(path: Path) -> str:

@@ -1,12 +1,20 @@
-"""What this machine offers: the device and dtype an engine runs on, and whether Triton kernels can run."""
+"""What this machine offers: the device and dtype an engine runs on, whether Triton kernels can run, and where dspark
+caches what it makes (models, converted weights, built kernels)."""
 
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import torch
 
 from dspark.errors import ConfigError
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark")
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,0 +1,1 @@
+"""Hand-written kernels below the model and attention layers (their torch formulas stay the reference)."""

@@ -1,0 +1,199 @@
+"""The fast CPU path's C kernels (dspark/kernels/cpu.py) against the torch formulas they replace: fp32 to reduction
+order (rotary bit for bit), bf16 within a rounding; decode attention against attention over the gathered context;
+the fallback when they cannot be built; and a model's decode through them against the torch path."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.kernels import cpu
+from dspark.models.llama import RMSNorm, Rotary, apply_rotary
+
+pytestmark = pytest.mark.skipif(cpu.lib() is None, reason="no C compiler: the kernels cannot be built here")
+DTYPES = [torch.float32, torch.bfloat16]
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 0.05}
+
+
+@pytest.fixture(autouse=True)
+def _inference() -> Iterator[None]:
+    with torch.inference_mode():
+        yield
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_add(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    x, delta = torch.randn(7, 576, generator=g).to(dtype), torch.randn(7, 576, generator=g).to(dtype)
+    torch.testing.assert_close(cpu.rms_norm(x, norm.weight, 1e-5), norm(x), atol=ATOL[dtype], rtol=1e-5)
+    h, total = cpu.add_rms_norm(delta, x, norm.weight, 1e-5)
+    assert torch.equal(total, x + delta)  # the sum rounds to the dtype as torch's add does
+    torch.testing.assert_close(h, norm(x + delta), atol=ATOL[dtype], rtol=1e-5)
+    # a strided input (rows of a wider tensor) reads its rows where they are
+    wide = torch.randn(7, 1000, generator=g).to(dtype)
+    torch.testing.assert_close(cpu.rms_norm(wide[:, 10:586], norm.weight, 1e-5), norm(wide[:, 10:586]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_equals_torch(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    rope = Rotary(64, 10000.0, 4096)
+    positions = torch.randint(0, 4096, (5,), generator=g)
+    qkv = torch.randn(5, 15 * 64, generator=g).to(dtype)  # 9 q heads, 3 k heads, then 3 v heads
+    expected = apply_rotary(qkv[:, : 12 * 64].view(5, 12, 64), rope(positions))
+    got = qkv.clone()
+    cpu.rotary_(got[:, : 12 * 64].view(5, 12, 64), *rope(positions))
+    # the same operations in the same order: equal bits in both dtypes
+    assert torch.equal(got[:, : 12 * 64].view(5, 12, 64), expected)
+    assert torch.equal(got[:, 12 * 64 :], qkv[:, 12 * 64 :])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype: torch.dtype) -> None:
+    gate_up = (torch.randn(6, 2 * 1536, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.silu_mul(gate_up), F.silu(gate) * up, atol=ATOL[dtype] / 5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_first_of_ties_and_nan(dtype: torch.dtype) -> None:
+    x = torch.randn(5, 49152, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[1, 100] = x[1, 7] = 50.0  # a tie: the first wins
+    x[2, 3000] = float("nan")  # NaN counts as the largest, as in torch
+    x[3] = -float("inf")
+    assert torch.equal(cpu.argmax(x), x.argmax(dim=-1))
+    assert cpu.argmax(x)[1].item() == 7
+
+
+def _paged(num_reqs: int, lens: list[int], hkv: int, d: int, bs: int, dtype: torch.dtype, g: torch.Generator):
+    """Caches with random contents and each request's blocks scattered (disjoint) through them."""
+    per = max(-(-n // bs) for n in lens)
+    blocks = torch.randperm(num_reqs * per + 5, generator=g)[: num_reqs * per].view(num_reqs, per).int()
+    shape = (num_reqs * per + 5, bs, hkv, d)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype), blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("h", "hkv", "d", "bs"), [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 40, 8), (6, 1, 32, 4)])
+def test_decode_attention_against_gathered_context(dtype: torch.dtype, h: int, hkv: int, d: int, bs: int) -> None:
+    """Head dims the AVX-512 path takes (32, 64, 128) and one it leaves to the plain loop (40); GQA group sizes 1-6;
+    contexts from one key to several blocks, one a padding row (slot -1)."""
+    g = torch.Generator().manual_seed(4)
+    lens = [1, bs, bs + 1, 5 * bs - 3, 37]
+    n = len(lens)
+    kc, vc, tables = _paged(n, lens, hkv, d, bs, dtype, g)
+    q, k, v = (torch.randn(n, heads, d, generator=g).to(dtype) for heads in (h, hkv, hkv))
+    slots = torch.tensor([int(tables[r, (ln - 1) // bs]) * bs + (ln - 1) % bs for r, ln in enumerate(lens)])
+    padded = int(slots[2])
+    slots[2] = -1  # padding: its key is not written (the cache keeps what it had there, and attends over that)
+    before = kc.view(-1, hkv, d)[padded].clone()
+    out = cpu.decode_attention(q, k, v, kc, vc, slots, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    for r, ln in enumerate(lens):
+        if r != 2:
+            assert torch.equal(flat_k[slots[r]], k[r]) and torch.equal(flat_v[slots[r]], v[r])
+        rows = torch.tensor([int(tables[r, p // bs]) * bs + p % bs for p in range(ln)])
+        keys = flat_k[rows].float().repeat_interleave(h // hkv, dim=1)  # [L, H, d]
+        values = flat_v[rows].float().repeat_interleave(h // hkv, dim=1)
+        probs = (torch.einsum("hd,lhd->hl", q[r].float(), keys) * 0.125).softmax(-1)
+        expected = torch.einsum("hl,lhd->hd", probs, values)
+        torch.testing.assert_close(out[r].float(), expected, atol=ATOL[dtype] / 5, rtol=1e-4)
+    assert torch.equal(flat_k[padded], before)
+
+
+def test_decode_attention_reads_strided_views() -> None:
+    """q, k and v as views of one qkv GEMM output (how the model passes them), and k apart from v (after a k norm)."""
+    g = torch.Generator().manual_seed(5)
+    lens, hkv, d, bs = [20, 3], 2, 64, 16
+    kc, vc, tables = _paged(2, lens, hkv, d, bs, torch.float32, g)
+    qkv = torch.randn(2, (4 + 2 * hkv) * d, generator=g)
+    q, k, v = qkv[:, : 4 * d].view(2, 4, d), qkv[:, 4 * d : 6 * d].view(2, 2, d), qkv[:, 6 * d :].view(2, 2, d)
+    slots = torch.tensor([int(tables[r, (ln - 1) // bs]) * bs + (ln - 1) % bs for r, ln in enumerate(lens)])
+    args = (slots, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    kc2, vc2 = kc.clone(), vc.clone()
+    strided = cpu.decode_attention(q, k, v, kc, vc, *args)
+    apart = cpu.decode_attention(q.contiguous(), k.contiguous(), v, kc2, vc2, *args)
+    assert torch.equal(strided, apart) and torch.equal(kc, kc2)
+
+
+def test_unbuildable_kernels_fall_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No compiler (or DSPARK_CPU_KERNELS=0): lib() is None with one warning, and nothing claims to support a tensor."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cpu.lib.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dspark"):
+            assert cpu.lib() is None
+        assert "CPU kernels unavailable" in caplog.text
+        assert not cpu.supports(torch.zeros(2, 2))
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")
+        cpu.lib.cache_clear()
+        assert cpu.lib() is None
+        monkeypatch.delenv("DSPARK_CPU_KERNELS")
+        cpu.lib.cache_clear()
+        assert cpu.lib() is not None  # built afresh into the new cache
+        assert list((tmp_path / "kernels").glob("cpu_kernels-*.so"))
+    finally:
+        cpu.lib.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_decode_through_kernels_matches_torch_path(
+    dtype: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default (fast) CPU path with the kernels against itself without them, on the same prompts: the kernels
+    are called, and every step's logits agree (fp32 to reduction order; bf16 within its tolerance)."""
+    from dspark import LLM, SamplingParams
+
+    calls: dict[str, int] = {}
+    for name in ("decode_attention", "add_rms_norm", "rotary_", "silu_mul"):
+        original = getattr(cpu, name)
+
+        def counted(*args: object, _name: str = name, _original: Callable = original) -> object:
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(*args)
+
+        monkeypatch.setattr(cpu, name, counted)
+
+    def run() -> list[torch.Tensor]:
+        llm = LLM(model=str(tiny_model_dirs["llama"]), dtype=dtype, max_model_len=256, num_kv_blocks=64,
+                  batch_invariant=False)  # fmt: skip
+        seen: list[torch.Tensor] = []
+        original = llm.engine.model.compute_logits
+
+        def spy(hidden: torch.Tensor, invariant: bool | None = None) -> torch.Tensor:
+            logits = original(hidden, invariant)
+            seen.append(logits.float().clone())
+            return logits
+
+        llm.engine.model.compute_logits = spy  # type: ignore[method-assign]
+        prompts = [[5, 6, 7, 8, 9], list(range(100, 140)), [42]]
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        return seen
+
+    with_kernels = run()
+    assert calls.get("decode_attention", 0) > 0 and calls.get("add_rms_norm", 0) > 0
+    assert calls.get("rotary_", 0) > 0 and calls.get("silu_mul", 0) > 0
+    monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")
+    cpu.lib.cache_clear()
+    try:
+        calls.clear()
+        without = run()
+        assert not calls
+    finally:
+        monkeypatch.delenv("DSPARK_CPU_KERNELS")
+        cpu.lib.cache_clear()
+    assert len(with_kernels) == len(without)
+    tol = 1e-4 if dtype == "float32" else 0.06
+    for a, b in zip(with_kernels, without, strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() < tol
