@@ -90,6 +90,9 @@ def main() -> None:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=0.85,
     )
+    # The prompt-writing shares count from here: the engine's start (graph capture, cost profiling) took longer than
+    # the first share on the H200, and not one self-written prompt came back when they counted from the start.
+    ready = time.monotonic()
     seed = (args.seed_offset * 100 + args.shard) * 10**9
     prompt_s = args.prompt_time_limit if args.prompt_time_limit is not None else args.time_limit / 3
     # Writing prompts, then answering first turns, then writing follow-ups: each a share of prompt_s at most.
@@ -97,9 +100,13 @@ def main() -> None:
     written: list[Prompt] = []
     heldout_texts = [pool[i].text for i in sorted(heldout)]
     if args.magpie:
-        deadline = began + shares[0] * prompt_s
+        deadline = ready + shares[0] * prompt_s
         written = magpie_prompts(llm, args.magpie, seed, max_tokens=args.magpie_max_tokens, deadline=deadline)
-        print(f"shard {args.shard}: {len(written)} self-written prompts of {args.magpie} asked", flush=True)
+        print(
+            f"shard {args.shard}: {len(written)} self-written prompts of {args.magpie} asked, "
+            f"{time.monotonic() - ready:.0f} s (the engine took {ready - began:.0f} s to start)",
+            flush=True,
+        )
         if not heldout:  # no pool to hold prompts out of: hold out self-written ones (at most half)
             keep = len(written) - min(args.heldout, len(written) // 2)
             heldout_texts, written = [p.text for p in written[keep:]], written[:keep]
@@ -111,9 +118,9 @@ def main() -> None:
     if args.follow_ups:
         firsts = [p for p in written + mine if p.chat and not p.history][: args.follow_ups]
         t = args.temperatures[0]
-        first_turns = regenerate(llm, firsts, 1, args.max_tokens, t, seed, deadline=began + shares[1] * prompt_s)
+        first_turns = regenerate(llm, firsts, 1, args.max_tokens, t, seed, deadline=ready + shares[1] * prompt_s)
         two_turn = follow_up_prompts(
-            llm, first_turns, seed, max_tokens=args.magpie_max_tokens, deadline=began + shares[2] * prompt_s
+            llm, first_turns, seed, max_tokens=args.magpie_max_tokens, deadline=ready + shares[2] * prompt_s
         )
         print(f"shard {args.shard}: {len(two_turn)} two-turn prompts of {len(first_turns)} answered", flush=True)
     if args.prompts_out:

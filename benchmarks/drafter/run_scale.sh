@@ -38,7 +38,9 @@ else
   GEN=(--prompts-per-source 8000 --samples-per-prompt "${SPP:-2}" --max-tokens 256 --heldout 200
     --max-num-seqs 1024 --magpie-max-tokens 128)
   MAGPIE=${MAGPIE:-30000}; FOLLOW_UPS=${FOLLOW_UPS:-10000}; GEN_S=${GEN_S:-420}
-  BATCH=${BATCH:-64}; BLOCKS=${BLOCKS:-32}; CKPT=${CKPT:-250}; MAIN_STEPS=${MAIN_STEPS:-6000}; MAIN_S=${MAIN_S:-420}
+  # One H200 trained 8.5 steps/s at these sizes (benchmarks/results/drafter/scale-2026-12-02): 3,400 steps anneal
+  # within one 420 s run.
+  BATCH=${BATCH:-64}; BLOCKS=${BLOCKS:-32}; CKPT=${CKPT:-250}; MAIN_STEPS=${MAIN_STEPS:-3400}; MAIN_S=${MAIN_S:-420}
   EVAL=(--num-prompts 80 --max-tokens 256); CAL=(--num-prompts "${CAL_PROMPTS:-200}" --max-tokens 256)
 fi
 CAL_S=${CAL_S:-120}; EVAL_S=${EVAL_S:-170}; DATA_MAX_MB=${DATA_MAX_MB:-44}  # 3 parts: room left for the results
