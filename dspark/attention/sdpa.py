@@ -12,9 +12,9 @@ torch's CPU flash kernel is slow in bf16 for short queries (it tiles for long on
 two plain matmuls at batch 16), so a short call in bf16 with enough keys runs as two batched matmuls around an fp32
 softmax (`_attend_matmul`), as transformers' eager attention does.
 
-A decode step (one query per request, causal) in fp32 or bf16 skips all of that where kernels/cpu.py builds:
-one C kernel writes each request's key and value and attends over its blocks in place, with no gather, mask or
-padding to the longest context.
+A step of short queries only (decode, verification; causal) in fp32 or bf16 skips all of that where kernels/cpu.py
+builds: one C kernel writes each request's keys and values and attends over its blocks in place, with no gather,
+mask or padding to the longest context.
 
 A row's bits may depend on what is batched beside it (BLAS picks kernels by shape): dspark's batch-invariant mode
 uses torch_ref.TorchAttention instead (docs/numerics.md).
@@ -61,20 +61,19 @@ class SdpaAttention:
         self._calls: list[_Call] | None = []
         self._meta: AttentionMetadata | None = None
         self._block_size = 0
-        self._decode = False  # this step is one query per request, for cpu_kernels.decode_attention
+        self._short_only = False  # every request's query is short: cpu_kernels.paged_attention takes the step
 
     def prepare(self, meta: AttentionMetadata, num_kv_heads: int, num_heads: int, block_size: int) -> None:
-        """Plan this step; called once per step by the model runner, before the forward. A decode step's calls are
-        built only if the kernel cannot take it (a dtype it lacks)."""
+        """Plan this step; called once per step by the model runner, before the forward. A step of short queries
+        has its calls built only if the kernel cannot take it (a dtype it lacks)."""
         self._meta, self._block_size = meta, block_size
-        self._decode = (
+        self._short_only = (
             meta.causal
-            and meta.max_query_len == 1
-            and meta.num_reqs == meta.num_actual_tokens
+            and meta.max_query_len <= SHORT_QUERY
             and meta.slot_mapping.device.type == "cpu"
             and cpu_kernels.lib() is not None
         )
-        self._calls = None if self._decode else self._plan(meta, block_size)
+        self._calls = None if self._short_only else self._plan(meta, block_size)
 
     def _plan(self, meta: AttentionMetadata, block_size: int) -> list[_Call]:
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
@@ -168,11 +167,12 @@ class SdpaAttention:
     ) -> torch.Tensor:
         assert meta is self._meta, "prepare() must be called with this step's metadata"
         n = meta.num_actual_tokens
-        if self._decode and q.shape[0] == n and cache.key.dtype == q.dtype and cpu_kernels.supports(q):
-            return cpu_kernels.decode_attention(
-                q, k, v, cache.key, cache.value, meta.slot_mapping, meta.block_tables, meta.seq_lens, scale
-            )
-        if self._calls is None:  # a decode step the kernel does not take after all
+        if self._short_only and q.shape[0] == n and cache.key.dtype == q.dtype and cpu_kernels.supports(q):
+            return cpu_kernels.paged_attention(
+                q, k, v, cache.key, cache.value, meta.slot_mapping, meta.query_start_loc, meta.block_tables,
+                meta.seq_lens, scale,
+            )  # fmt: skip
+        if self._calls is None:  # a step the kernel does not take after all
             self._calls = self._plan(meta, self._block_size)
         write_kv(cache, k[:n], v[:n], meta.slot_mapping[:n])
         first = self._calls[0] if len(self._calls) == 1 else None

@@ -179,34 +179,39 @@ void silu_mul_bf16(const void *gu, void *out, int64_t n, int64_t inter, int nt) 
     PARALLEL_FOR(r, n, nt) silu_mul_row(gu, out, r, inter, 1);
 }
 
-/* Attention of one decode query of request r over kv head g (work item r * Hkv + g): request r's single query (the
- * last of its seq_lens[r] positions) over its keys in the paged cache, after writing its own key and value there.
- * q: [n, H, d] rows at q_stride; k, v: [n, Hkv, d] at kv_stride; caches: [blocks, bs, Hkv, d]; slots: [n] flat
- * cache slot (-1: padding, not written); tables: [n, mb] int32; out: [n, H * d]. The item's keys are read once for
- * the H / Hkv query heads that share them; softmax in fp32 over the whole row (max first), the scores kept for the
- * pass over the values. */
-static inline __attribute__((always_inline)) void decode_attention_item(
+/* Attention of request r's queries over kv head g (work item r * Hkv + g): its nq = qsl[r + 1] - qsl[r] queries are the
+ * last nq of its seq_lens[r] positions (a decode step's one, or a verification's last token and drafts), each seeing
+ * the keys up to its own position; first its own keys and values are written at their slots. q: [tokens, H, d] rows
+ * at q_stride; k, v: [tokens, Hkv, d] at kv_stride; caches: [blocks, bs, Hkv, d]; slots: [tokens] flat cache slots
+ * (-1: padding, not written); tables: [requests, mb] int32; out: [tokens, H * d]. Each key row is read once for all
+ * the queries and the H / Hkv heads that share it (rows t = query * size + head); softmax in fp32 over each row's
+ * keys (max first), the scores kept for the pass over the values. */
+static inline __attribute__((always_inline)) void paged_attention_item(
     const void *q, int64_t q_stride, const void *k, const void *v, int64_t kv_stride, void *kc, void *vc,
-    const int64_t *slots, const int32_t *tables, int64_t mb, const int32_t *seq_lens, void *out, int64_t item,
-    int64_t H, int64_t Hkv, int64_t d, int64_t bs, float scale, const int bf) {
+    const int64_t *slots, const int32_t *qsl, const int32_t *tables, int64_t mb, const int32_t *seq_lens, void *out,
+    int64_t item, int64_t H, int64_t Hkv, int64_t d, int64_t bs, float scale, const int bf) {
     const int64_t size = H / Hkv, r = item / Hkv, g = item % Hkv;
+    const int64_t first_token = qsl[r], nq = qsl[r + 1] - qsl[r], rows = nq * size, len = seq_lens[r];
     const size_t es = bf ? 2 : 4;
-    if (slots[r] >= 0) {
-        const int64_t dst = (slots[r] * Hkv + g) * d;
-        memcpy((char *)kc + dst * es, (const char *)k + (r * kv_stride + g * d) * es, d * es);
-        memcpy((char *)vc + dst * es, (const char *)v + (r * kv_stride + g * d) * es, d * es);
+    if (nq <= 0) return;
+    for (int64_t j = 0; j < nq; j++) {
+        const int64_t t = first_token + j;
+        if (slots[t] < 0) continue;
+        const int64_t dst = (slots[t] * Hkv + g) * d;
+        memcpy((char *)kc + dst * es, (const char *)k + (t * kv_stride + g * d) * es, d * es);
+        memcpy((char *)vc + dst * es, (const char *)v + (t * kv_stride + g * d) * es, d * es);
     }
-    const int64_t len = seq_lens[r];
-    float *qf = (float *)malloc(sizeof(float) * (2 * size * d + d + size * (len > 0 ? len : 1)));
-    float *acc = qf + size * d, *key = acc + size * d, *sc = key + d;
-    for (int64_t j = 0; j < size * d; j++) {
-        qf[j] = ld(q, r * q_stride + g * size * d + j, bf) * scale;
-        acc[j] = 0.0f;
-    }
+    float *qf = (float *)malloc(sizeof(float) * (2 * rows * d + d + rows * (len > 0 ? len : 1)));
+    float *acc = qf + rows * d, *key = acc + rows * d, *sc = key + d;
+    for (int64_t j = 0; j < nq; j++)
+        for (int64_t i = 0; i < size * d; i++) {
+            qf[j * size * d + i] = ld(q, (first_token + j) * q_stride + g * size * d + i, bf) * scale;
+            acc[j * size * d + i] = 0.0f;
+        }
     const int32_t *table = tables + r * mb;
 #ifdef __AVX512F__
-    /* A head dim of up to 128 in 8 registers: each key row loaded once for the size query heads, each head's values
-     * accumulated in registers over all the keys (through memory, a chain of loads and stores per key). */
+    /* A head dim of up to 128 in 8 registers: each key row loaded once for every row, each row's values accumulated
+     * in registers over all its keys (through memory, a chain of loads and stores per key). */
     const int wide = d % 16 == 0 && d <= 128;
 #else
     const int wide = 0;
@@ -215,46 +220,50 @@ static inline __attribute__((always_inline)) void decode_attention_item(
         const int64_t first = ((int64_t)table[b] * bs * Hkv + g) * d;
         for (int64_t o = 0; o < bs && l < len; o++, l++) {
             const int64_t row = first + o * Hkv * d;
+            /* rows of queries before position l never read it: they start at query l - (len - nq) */
+            const int64_t t0 = l > len - nq ? (l - (len - nq)) * size : 0;
 #ifdef __AVX512F__
             if (wide) {
                 __m512 kv[8];
 #pragma GCC unroll 8
                 for (int j = 0; j < 8; j++)
                     if (16 * j < d) kv[j] = load16(kc, row + 16 * j, bf);
-                for (int64_t s = 0; s < size; s++) {
+                for (int64_t t = t0; t < rows; t++) {
                     __m512 a = _mm512_setzero_ps();
 #pragma GCC unroll 8
                     for (int j = 0; j < 8; j++)
-                        if (16 * j < d) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + s * d + 16 * j), kv[j], a);
-                    sc[s * len + l] = _mm512_reduce_add_ps(a);
+                        if (16 * j < d) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + t * d + 16 * j), kv[j], a);
+                    sc[t * len + l] = _mm512_reduce_add_ps(a);
                 }
                 continue;
             }
 #endif
-            const float *kr = as_f32(kc, row, d, key, bf); /* converted once for the size heads */
-            for (int64_t s = 0; s < size; s++) sc[s * len + l] = dot(qf + s * d, kr, d);
+            const float *kr = as_f32(kc, row, d, key, bf); /* converted once for every row */
+            for (int64_t t = t0; t < rows; t++) sc[t * len + l] = dot(qf + t * d, kr, d);
         }
     }
-    for (int64_t s = 0; s < size && len > 0; s++) {
+    for (int64_t t = 0; t < rows; t++) {
+        const int64_t lim = len - nq + t / size + 1; /* causal: keys up to the query's own position */
         float m = -INFINITY, sum = 0.0f;
-        for (int64_t l = 0; l < len; l++) m = sc[s * len + l] > m ? sc[s * len + l] : m;
-        for (int64_t l = 0; l < len; l++) {
-            float e = exp_approx(sc[s * len + l] - m);
-            sc[s * len + l] = e;
+        for (int64_t l = 0; l < lim; l++) m = sc[t * len + l] > m ? sc[t * len + l] : m;
+        for (int64_t l = 0; l < lim; l++) {
+            float e = exp_approx(sc[t * len + l] - m);
+            sc[t * len + l] = e;
             sum += e;
         }
         const float inv = 1.0f / sum;
-        for (int64_t l = 0; l < len; l++) sc[s * len + l] *= inv;
+        for (int64_t l = 0; l < lim; l++) sc[t * len + l] *= inv;
     }
 #ifdef __AVX512F__
-    for (int64_t s = 0; s < size && wide; s++) {
+    for (int64_t t = 0; t < rows && wide; t++) {
+        const int64_t lim = len - nq + t / size + 1;
         __m512 a[8];
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
-        const float *ps = sc + s * len;
-        for (int64_t b = 0, l = 0; l < len; b++) {
+        const float *ps = sc + t * len;
+        for (int64_t b = 0, l = 0; l < lim; b++) {
             const int64_t first = ((int64_t)table[b] * bs * Hkv + g) * d;
-            for (int64_t o = 0; o < bs && l < len; o++, l++) {
+            for (int64_t o = 0; o < bs && l < lim; o++, l++) {
                 const __m512 pv = _mm512_set1_ps(ps[l]);
                 const int64_t row = first + o * Hkv * d;
 #pragma GCC unroll 8
@@ -264,7 +273,7 @@ static inline __attribute__((always_inline)) void decode_attention_item(
         }
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++)
-            if (16 * j < d) _mm512_storeu_ps(acc + s * d + 16 * j, a[j]);
+            if (16 * j < d) _mm512_storeu_ps(acc + t * d + 16 * j, a[j]);
     }
 #endif
     for (int64_t b = 0, l = 0; l < len && !wide; b++) {
@@ -272,28 +281,31 @@ static inline __attribute__((always_inline)) void decode_attention_item(
         for (int64_t o = 0; o < bs && l < len; o++, l++) {
             const int64_t row = first + o * Hkv * d;
             const float *vr = as_f32(vc, row, d, key, bf);
-            for (int64_t s = 0; s < size; s++) {
-                const float p = sc[s * len + l];
+            const int64_t t0 = l > len - nq ? (l - (len - nq)) * size : 0;
+            for (int64_t t = t0; t < rows; t++) {
+                const float p = sc[t * len + l];
 #pragma omp simd
-                for (int64_t i = 0; i < d; i++) acc[s * d + i] += p * vr[i];
+                for (int64_t i = 0; i < d; i++) acc[t * d + i] += p * vr[i];
             }
         }
     }
-    for (int64_t j = 0; j < size * d; j++) st(out, r * H * d + g * size * d + j, acc[j], bf);
+    for (int64_t j = 0; j < nq; j++)
+        for (int64_t i = 0; i < size * d; i++)
+            st(out, (first_token + j) * H * d + g * size * d + i, acc[j * size * d + i], bf);
     free(qf);
 }
 
-#define DECODE_ATTENTION(SUFFIX, BF)                                                                                 \
-    void decode_attention_##SUFFIX(const void *q, int64_t qs, const void *k, const void *v, int64_t kvs, void *kc,  \
-                                   void *vc, const int64_t *slots, const int32_t *tables, int64_t mb,               \
-                                   const int32_t *lens, void *out, int64_t n, int64_t H, int64_t Hkv, int64_t d,    \
-                                   int64_t bs, float scale, int nt) {                                               \
+#define PAGED_ATTENTION(SUFFIX, BF)                                                                                  \
+    void paged_attention_##SUFFIX(const void *q, int64_t qs, const void *k, const void *v, int64_t kvs, void *kc,   \
+                                  void *vc, const int64_t *slots, const int32_t *qsl, const int32_t *tables,        \
+                                  int64_t mb, const int32_t *lens, void *out, int64_t n, int64_t H, int64_t Hkv,    \
+                                  int64_t d, int64_t bs, float scale, int nt) {                                     \
         PARALLEL_FOR(item, n * Hkv, nt)                                                                             \
-        decode_attention_item(q, qs, k, v, kvs, kc, vc, slots, tables, mb, lens, out, item, H, Hkv, d, bs, scale, \
-                              BF);                                                                                  \
+        paged_attention_item(q, qs, k, v, kvs, kc, vc, slots, qsl, tables, mb, lens, out, item, H, Hkv, d, bs,    \
+                             scale, BF);                                                                            \
     }
-DECODE_ATTENTION(f32, 0)
-DECODE_ATTENTION(bf16, 1)
+PAGED_ATTENTION(f32, 0)
+PAGED_ATTENTION(bf16, 1)
 
 /* The index of row r's largest value (the first of equal ones, as torch.argmax; a NaN counts as the largest): the
  * maximum and whether a NaN is there in one vectorised pass, then the first index holding it. */

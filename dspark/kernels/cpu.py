@@ -1,5 +1,6 @@
 """The fast CPU path's fused kernels (cpu.c): RMSNorm with the residual add, rotary in place, SiLU-and-multiply,
-decode attention over the paged cache, and argmax; built once per machine with the C compiler and loaded by ctypes.
+attention of short queries (decode, verification) over the paged cache, and argmax; built once per machine with the
+C compiler and loaded by ctypes.
 
 A decode step of the default model at batch 16 spent about half its time outside the GEMMs on CPU: ~50 torch ops
 per layer (8 per RMSNorm, 8 for rotary, ~15 for attention's gathers, matmuls and masks), each a few microseconds of
@@ -36,7 +37,7 @@ _SIGNATURES = {
     "rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "rotary": [_P, _I, _I, _I, _I, _P, _P, ctypes.c_int],
     "silu_mul": [_P, _P, _I, _I, ctypes.c_int],
-    "decode_attention": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
+    "paged_attention": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
     "argmax": [_P, _I, _I, _I, _P, ctypes.c_int],
 }
 
@@ -164,18 +165,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def decode_attention(
-    q: torch.Tensor,  # [n, H, D]: rows contiguous per head, any row stride
-    k: torch.Tensor,  # [n, Hkv, D], as q
-    v: torch.Tensor,  # [n, Hkv, D], the same row stride as k
+def paged_attention(
+    q: torch.Tensor,  # [tokens, H, D]: rows contiguous per head, any row stride
+    k: torch.Tensor,  # [tokens, Hkv, D], as q
+    v: torch.Tensor,  # [tokens, Hkv, D]
     key_cache: torch.Tensor,  # [blocks, block_size, Hkv, D] contiguous
     value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [>= n] int64
-    block_tables: torch.Tensor,  # [n, max_blocks] int32
-    seq_lens: torch.Tensor,  # [n] int32
+    slot_mapping: torch.Tensor,  # [>= tokens] int64
+    query_start_loc: torch.Tensor,  # [requests + 1] int32: request r's queries are rows qsl[r]:qsl[r + 1]
+    block_tables: torch.Tensor,  # [requests, max_blocks] int32
+    seq_lens: torch.Tensor,  # [requests] int32
     scale: float,
-) -> torch.Tensor:  # [n, H, D]
-    """One query per request, the last of its seq_lens positions: writes k and v at slot_mapping, then attends."""
+) -> torch.Tensor:  # [tokens, H, D]
+    """Causal attention of short queries (a decode step's one per request, a verification's few), each request's the
+    last of its seq_lens positions: writes k and v at slot_mapping, then attends over each request's blocks."""
     n, h, d = q.shape
     hkv, bs = k.shape[1], key_cache.shape[1]
     if k.stride(0) != v.stride(0):  # k came out of a q/k norm, v is still a view of the GEMM's output
@@ -183,10 +186,11 @@ def decode_attention(
     for t in (q, k, v):
         assert t.stride(2) == 1 and t.stride(1) == d and t.dtype == key_cache.dtype
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
-    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
-    assert tables.dtype == torch.int32 and lens.dtype == torch.int32 and slot_mapping.dtype == torch.int64
+    qsl, tables, lens = query_start_loc.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
+    assert qsl.dtype == tables.dtype == lens.dtype == torch.int32 and slot_mapping.dtype == torch.int64
+    assert lens.shape[0] + 1 == qsl.shape[0] == tables.shape[0] + 1
     out = torch.empty(n, h, d, dtype=q.dtype)
-    _fn("decode_attention", q.dtype)(
+    _fn("paged_attention", q.dtype)(
         q.data_ptr(),
         q.stride(0),
         k.data_ptr(),
@@ -195,11 +199,12 @@ def decode_attention(
         key_cache.data_ptr(),
         value_cache.data_ptr(),
         slot_mapping.contiguous().data_ptr(),
+        qsl.data_ptr(),
         tables.data_ptr(),
         tables.shape[1],
         lens.data_ptr(),
         out.data_ptr(),
-        n,
+        lens.shape[0],
         h,
         hkv,
         d,

@@ -1,6 +1,6 @@
 """The fast CPU path's C kernels (dspark/kernels/cpu.py) against the torch formulas they replace: fp32 to reduction
 order (rotary bit for bit), bf16 within a rounding; decode attention against attention over the gathered context;
-the fallback when they cannot be built; and a model's decode through them against the torch path."""
+the fallback when they cannot be built; and a model's decode and verification through them against the torch path."""
 
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def test_decode_attention_against_gathered_context(dtype: torch.dtype, h: int, h
     padded = int(slots[2])
     slots[2] = -1  # padding: its key is not written (the cache keeps what it had there, and attends over that)
     before = kc.view(-1, hkv, d)[padded].clone()
-    out = cpu.decode_attention(q, k, v, kc, vc, slots, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    out = cpu.paged_attention(q, k, v, kc, vc, slots, qsl, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
     flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
     for r, ln in enumerate(lens):
         if r != 2:
@@ -108,6 +109,33 @@ def test_decode_attention_against_gathered_context(dtype: torch.dtype, h: int, h
     assert torch.equal(flat_k[padded], before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (4, 2, 40)])
+def test_verification_queries_are_causal(dtype: torch.dtype, h: int, hkv: int, d: int) -> None:
+    """Several queries a request (a verification's last token and drafts; a short prompt chunk): query j of n sees
+    the keys up to its own position, len - n + j; requests of 1 to 16 queries, one of them a whole context."""
+    g = torch.Generator().manual_seed(6)
+    bs, lens, nqs = 16, [40, 9, 17, 3, 100], [5, 1, 16, 3, 8]
+    kc, vc, tables = _paged(len(lens), lens, hkv, d, bs, dtype, g)
+    qsl = torch.tensor([0, *torch.tensor(nqs).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = int(qsl[-1])
+    q, k, v = (torch.randn(tokens, heads, d, generator=g).to(dtype) for heads in (h, hkv, hkv))
+    pairs = list(enumerate(zip(lens, nqs, strict=True)))
+    slots = torch.tensor([int(tables[r, p // bs]) * bs + p % bs for r, (ln, nq) in pairs for p in range(ln - nq, ln)])
+    out = cpu.paged_attention(q, k, v, kc, vc, slots, qsl, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+    for r, (ln, nq) in pairs:
+        rows = torch.tensor([int(tables[r, p // bs]) * bs + p % bs for p in range(ln)])
+        keys = flat_k[rows].float().repeat_interleave(h // hkv, dim=1)
+        values = flat_v[rows].float().repeat_interleave(h // hkv, dim=1)
+        for j in range(nq):
+            t, visible = int(qsl[r]) + j, ln - nq + j + 1
+            probs = (torch.einsum("hd,lhd->hl", q[t].float(), keys[:visible]) * 0.125).softmax(-1)
+            expected = torch.einsum("hl,lhd->hd", probs, values[:visible])
+            torch.testing.assert_close(out[t].float(), expected, atol=ATOL[dtype] / 5, rtol=1e-4)
+
+
 def test_decode_attention_reads_strided_views() -> None:
     """q, k and v as views of one qkv GEMM output (how the model passes them), and k apart from v (after a k norm)."""
     g = torch.Generator().manual_seed(5)
@@ -116,10 +144,10 @@ def test_decode_attention_reads_strided_views() -> None:
     qkv = torch.randn(2, (4 + 2 * hkv) * d, generator=g)
     q, k, v = qkv[:, : 4 * d].view(2, 4, d), qkv[:, 4 * d : 6 * d].view(2, 2, d), qkv[:, 6 * d :].view(2, 2, d)
     slots = torch.tensor([int(tables[r, (ln - 1) // bs]) * bs + (ln - 1) % bs for r, ln in enumerate(lens)])
-    args = (slots, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    args = (slots, torch.arange(3, dtype=torch.int32), tables, torch.tensor(lens, dtype=torch.int32), 0.125)
     kc2, vc2 = kc.clone(), vc.clone()
-    strided = cpu.decode_attention(q, k, v, kc, vc, *args)
-    apart = cpu.decode_attention(q.contiguous(), k.contiguous(), v, kc2, vc2, *args)
+    strided = cpu.paged_attention(q, k, v, kc, vc, *args)
+    apart = cpu.paged_attention(q.contiguous(), k.contiguous(), v, kc2, vc2, *args)
     assert torch.equal(strided, apart) and torch.equal(kc, kc2)
 
 
@@ -147,16 +175,18 @@ def test_unbuildable_kernels_fall_back(
         cpu.lib.cache_clear()
 
 
+@pytest.mark.parametrize("speculation", [False, True], ids=["plain", "ngram"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_decode_through_kernels_matches_torch_path(
-    dtype: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    dtype: str, speculation: bool, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The default (fast) CPU path with the kernels against itself without them, on the same prompts: the kernels
-    are called, and every step's logits agree (fp32 to reduction order; bf16 within its tolerance)."""
+    """The default (fast) CPU path with the kernels against itself without them, on the same prompts (with n-gram
+    drafts: verification steps of several queries a request): the kernels are called, and every step's logits agree
+    (fp32 to reduction order; bf16 within its tolerance)."""
     from dspark import LLM, SamplingParams
 
     calls: dict[str, int] = {}
-    for name in ("decode_attention", "add_rms_norm", "rotary_", "silu_mul"):
+    for name in ("paged_attention", "add_rms_norm", "rotary_", "silu_mul"):
         original = getattr(cpu, name)
 
         def counted(*args: object, _name: str = name, _original: Callable = original) -> object:
@@ -166,8 +196,10 @@ def test_model_decode_through_kernels_matches_torch_path(
         monkeypatch.setattr(cpu, name, counted)
 
     def run() -> list[torch.Tensor]:
+        spec = {"method": "ngram", "num_speculative_tokens": 4, "enable_adaptive_verification": False}
+        spec = spec if speculation else None
         llm = LLM(model=str(tiny_model_dirs["llama"]), dtype=dtype, max_model_len=256, num_kv_blocks=64,
-                  batch_invariant=False)  # fmt: skip
+                  batch_invariant=False, speculative_config=spec)  # fmt: skip
         seen: list[torch.Tensor] = []
         original = llm.engine.model.compute_logits
 
@@ -177,12 +209,13 @@ def test_model_decode_through_kernels_matches_torch_path(
             return logits
 
         llm.engine.model.compute_logits = spy  # type: ignore[method-assign]
-        prompts = [[5, 6, 7, 8, 9], list(range(100, 140)), [42]]
+        # repeating prompts: n-gram drafts find matches, and a random model's greedy output repeats itself too
+        prompts = [[5, 6, 7, 8, 9] * 4, list(range(100, 140)), [42]]
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         return seen
 
     with_kernels = run()
-    assert calls.get("decode_attention", 0) > 0 and calls.get("add_rms_norm", 0) > 0
+    assert calls.get("paged_attention", 0) > 0 and calls.get("add_rms_norm", 0) > 0
     assert calls.get("rotary_", 0) > 0 and calls.get("silu_mul", 0) > 0
     monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")
     cpu.lib.cache_clear()

@@ -180,6 +180,8 @@ def test_on_taps_gets_the_taps_as_soon_as_the_last_tapped_layer_ran(targets: dic
 class _StubNorm:
     """Records its calls; forward_add returns (norm, residual) as the fused RMSNorm does, as new tensors."""
 
+    cpu_fused = False  # RMSNorm's: the fused structure on CPU comes from fused_ops.forced here
+
     def __init__(self, name: object, log: list[tuple[str, object]]) -> None:
         self.name, self.log = name, log
 
