@@ -1,5 +1,5 @@
-/* The fast CPU path's fused kernels (kernels/cpu.py builds and loads this file): the decoder's small ops and
- * decode attention over the paged cache, each one pass over its rows instead of several torch ops.
+/* The fast CPU path's fused kernels (kernels/cpu.py builds and loads this file): the decoder's small ops and the
+ * attention of short queries (decode, verification) over the paged cache, each one pass instead of several torch ops.
  *
  * Every kernel takes fp32 or bf16 data (bf = 0 / 1) and computes in fp32, rounding to bf16 (nearest even) where the
  * torch formulas of models/llama.py round, in the same order of operations; built with -ffp-contract=off so that no
