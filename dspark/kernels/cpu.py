@@ -82,6 +82,9 @@ def lib() -> ctypes.CDLL | None:
         for suffix in ("f32", "bf16"):
             fn = getattr(handle, f"{name}_{suffix}")
             fn.argtypes, fn.restype = args, None
+    handle.prefill_attention_available.argtypes, handle.prefill_attention_available.restype = [], ctypes.c_int
+    handle.prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, ctypes.c_int]
+    handle.prefill_attention_bf16.restype = ctypes.c_int
     return handle
 
 
@@ -212,6 +215,40 @@ def paged_attention(
         scale,
         torch.get_num_threads(),
     )
+    return out
+
+
+def prefill_supported(q: torch.Tensor) -> bool:
+    """Whether prefill_attention takes these queries: bf16, a head dim that is a multiple of 64 up to 256, and a CPU
+    with AVX512-BF16 (the kernel's pair products)."""
+    handle = lib() if q.dtype == torch.bfloat16 and supports(q) else None
+    d = q.shape[-1]
+    return handle is not None and d % 64 == 0 and d <= 256 and bool(handle.prefill_attention_available())
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [n, H, D] bf16: a prompt chunk's queries, rows contiguous per head, any row stride
+    key_cache: torch.Tensor,  # [blocks, block_size, Hkv, D] contiguous, the chunk's keys already written
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [>= blocks of the context] int32: the request's
+    prefix: int,  # cached keys before the chunk: query j is position prefix + j
+    scale: float,
+) -> torch.Tensor:  # [n, H, D]
+    """Causal attention of one request's prompt chunk over its paged cache (see prefill_attention_bf16 in cpu.c);
+    only where prefill_supported(q)."""
+    n, h, d = q.shape
+    hkv, bs = key_cache.shape[2], key_cache.shape[1]
+    assert q.stride(2) == 1 and q.stride(1) == d and q.dtype == key_cache.dtype == torch.bfloat16
+    assert key_cache.is_contiguous() and value_cache.is_contiguous() and block_table.dtype == torch.int32
+    assert block_table.shape[0] * bs >= prefix + n and h % hkv == 0
+    table = block_table.contiguous()
+    out = torch.empty(n, h, d, dtype=q.dtype)
+    failed = lib().prefill_attention_bf16(  # type: ignore[union-attr]
+        q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), table.data_ptr(), n, prefix, h,
+        hkv, d, bs, scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"prefill attention: no memory for {prefix + n} keys' packed copies")
     return out
 
 

@@ -35,9 +35,9 @@ def _step(
     meta = AttentionMetadata(
         num_actual_tokens=len(slots),
         slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor(starts),
-        seq_lens=torch.tensor(lens),
-        block_tables=torch.tensor([b + [0] * (width - len(b)) for b, _, _ in reqs]),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),  # the model runner's dtypes
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor([b + [0] * (width - len(b)) for b, _, _ in reqs], dtype=torch.int32),
         query_start_loc_cpu=starts,
         seq_lens_cpu=lens,
         max_query_len=max(n for _, _, n in reqs),
@@ -159,6 +159,27 @@ def test_sdpa_matches_dense_attention(
         expected += dtype == torch.bfloat16 and enough
         done = [d + n for d, n in zip(done, step, strict=True)]
     assert len(matmul_calls) == expected
+
+
+def _prefill_kernel() -> bool:
+    with torch.inference_mode():
+        return sdpa.cpu_kernels.prefill_supported(torch.empty(1, H, D, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not _prefill_kernel(), reason="no AVX512-BF16 prefill kernel on this CPU")
+def test_sdpa_takes_the_bf16_prefill_kernel_for_long_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In inference (how the engine runs), a bf16 prompt chunk of more than SHORT_QUERY tokens goes to the C kernel,
+    first chunks and chunks after cached keys alike, beside short queries: equal to dense attention within bf16."""
+    calls: list[int] = []
+    real = sdpa.cpu_kernels.prefill_attention
+    monkeypatch.setattr(sdpa.cpu_kernels, "prefill_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    lengths, plan = [150, 40, 90], [[64, 17, 3], [50, 1, 40], [36, 22, 47]]
+    with torch.inference_mode():
+        outs = _run(lengths, plan, backend_type=SdpaAttention, dtype=torch.bfloat16)
+    assert calls == [64, 17, 50, 40, 36, 22, 47]
+    for r, (n, out) in enumerate(zip(lengths, outs, strict=True)):
+        ref = _dense(*(t.to(torch.bfloat16).float() for t in _data(n, r)))
+        torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
 
 
 def test_sdpa_equals_the_reference_on_a_non_causal_block() -> None:

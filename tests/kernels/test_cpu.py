@@ -151,6 +151,50 @@ def test_decode_attention_reads_strided_views() -> None:
     assert torch.equal(strided, apart) and torch.equal(kc, kc2)
 
 
+def _prefill_kernel() -> bool:
+    with torch.inference_mode():
+        return cpu.prefill_supported(torch.empty(1, 1, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not _prefill_kernel(), reason="no AVX512-BF16 prefill kernel on this CPU")
+@pytest.mark.parametrize(("h", "hkv", "d", "bs"), [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 32), (6, 1, 256, 8)])
+def test_prefill_attention_against_gathered_context(h: int, hkv: int, d: int, bs: int) -> None:
+    """A prompt chunk's causal attention over its scattered blocks: first chunks and chunks after cached keys, of 1 to
+    200 queries (row blocks and key tiles cut anywhere), GQA groups of 1 to 6, head dims 64 to 256; q a strided view
+    of a qkv output. Within bf16 of fp32 attention over the same bf16 inputs, and no further from it than torch's
+    flash kernel plus a bf16 step."""
+    g = torch.Generator().manual_seed(7)
+    for prefix, n in [(0, 1), (0, 70), (37, 100), (130, 33), (0, 200), (64, 64)]:
+        kc, vc, tables = _paged(1, [prefix + n], hkv, d, bs, torch.bfloat16, g)
+        qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g).to(torch.bfloat16)
+        q = qkv[:, : h * d].view(n, h, d)
+        out = cpu.prefill_attention(q, kc, vc, tables[0], prefix, d**-0.5)
+        rows = torch.tensor([int(tables[0, p // bs]) * bs + p % bs for p in range(prefix + n)])
+        keys = kc.view(-1, hkv, d)[rows].repeat_interleave(h // hkv, dim=1).transpose(0, 1)  # [H, L, d]
+        values = vc.view(-1, hkv, d)[rows].repeat_interleave(h // hkv, dim=1).transpose(0, 1)
+        mask = torch.arange(prefix + n)[None, :] <= torch.arange(prefix, prefix + n)[:, None]
+        expected = F.scaled_dot_product_attention(
+            q.transpose(0, 1).float(), keys.float(), values.float(), attn_mask=mask, scale=d**-0.5
+        ).transpose(0, 1)
+        flash = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=d**-0.5)
+        flash_err = (flash.transpose(0, 1).float() - expected).abs().max().item()
+        err = (out.float() - expected).abs().max().item()
+        assert err <= flash_err + 2**-7, (prefix, n, err, flash_err)
+        torch.testing.assert_close(out.float(), expected, atol=0.02, rtol=0.02)
+
+
+def test_prefill_attention_takes_only_what_it_can() -> None:
+    """bf16 and a head dim that is a multiple of 64 up to 256, in inference; anything else stays with torch."""
+    if not _prefill_kernel():
+        pytest.skip("no AVX512-BF16 prefill kernel on this CPU")
+    assert cpu.prefill_supported(torch.empty(3, 2, 128, dtype=torch.bfloat16))
+    for d in (32, 40, 96, 320):
+        assert not cpu.prefill_supported(torch.empty(3, 2, d, dtype=torch.bfloat16))
+    assert not cpu.prefill_supported(torch.empty(3, 2, 64))  # fp32
+    with torch.enable_grad():
+        assert not cpu.prefill_supported(torch.empty(3, 2, 64, dtype=torch.bfloat16))
+
+
 def test_unbuildable_kernels_fall_back(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
