@@ -4,8 +4,9 @@ learned online per load level.
 The cost model predicts a step from profiled dummy steps and cannot see what a real step also pays (per-request host
 work that differs between verifying and plain sampling, real contexts, other processes), so where measurement
 disagrees with the model the engine follows the measurement. Each load level (requests emitting a token, in powers of
-two) keeps an exponential average of tokens/ms and ms/step for steady steps of each regime: "spec" steps verified
-drafts and drafted again, "plain" steps did neither (a step that switches regime is neither). A level's plain rate is
+two) keeps averages of ms/step (short) and tokens/step (long: see TOKENS_DECAY) for steady steps of each regime, and
+their ratio as its tokens/ms: "spec" steps verified drafts and drafted again, "plain" steps did neither (a step that
+switches regime is neither). A level's plain rate is
 never taken below the plain rate one level down: a guard against a plain rate pulled down by a stalled host, at a
 level that no longer runs plain steps to correct it.
 
@@ -16,7 +17,8 @@ that transfers (plain measured faster at a lower load, or drafting at a higher o
 neighbour would.
 
 Every so often the other regime runs for a burst of BURST steps to keep its figure fresh. The first burst comes after
-FIRST_PERIOD steps, so that a new level learns both rates in a handful of steps; then each gap doubles the last, and
+FIRST_PERIOD steps, so that a new level learns both rates in a handful of steps (and again whenever the measurements
+turn the level to the other regime); then each gap doubles the last, and
 once both rates are known a burst may cost at most EXPLORE_SHARE of the time between bursts. That cost is counted in
 time, not steps: each millisecond of the slower regime loses (1 - slow rate / fast rate) of what the faster would have
 made. A level with nothing measured whose model verdict is plain with predicted costs (a Verdict with rates) spaces its
@@ -37,7 +39,13 @@ BURST = 3  # steps of the other regime per exploration: the first switches, the 
 FIRST_PERIOD, MAX_PERIOD = 2, 4096
 EXPLORE_SHARE = 0.01  # once both rates are known: the most a burst of the slower regime may cost of the time between
 MARGIN = 0.03
-DECAY = 0.8  # weight of the previous average per new steady step
+DECAY = 0.8  # ms per step: weight of the previous average per new steady step
+# tokens per step: a longer memory. A drafting step's tokens swing from 1 to k + 1 and come in runs (a stretch of
+# numbers or names rejects every draft for several steps), so a short average of them dips below plain's rate inside
+# any hard stretch: at batch 1 on CPU, DSpark that makes ~2x plain's rate went plain after runs of 5-7 one-token steps
+# and came back only in rare bursts (58-69 against 80-88 tok/s). ~30 steps span such runs; a step's cost, steadier and
+# what load changes, keeps the short average.
+TOKENS_DECAY = 0.97
 
 
 @dataclass(frozen=True)
@@ -52,13 +60,16 @@ class Verdict:
 
 @dataclass
 class _Level:
-    rate: dict[bool, float] = field(default_factory=dict)  # drafting? -> tokens/ms
+    rate: dict[bool, float] = field(default_factory=dict)  # drafting? -> tokens/ms (tokens / ms, averaged apart)
     ms: dict[bool, float] = field(default_factory=dict)  # drafting? -> ms per steady step
+    tokens: dict[bool, float] = field(default_factory=dict)  # drafting? -> tokens per steady step
+    count: dict[bool, int] = field(default_factory=dict)  # drafting? -> steady steps measured
     since: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # steps since each regime last ran
     period: int = FIRST_PERIOD
     burst: int = 0  # steps left in an exploration burst
     burst_regime: bool = False
     predicted: Verdict | None = None  # the model's last plain verdict with predictions, while nothing is measured
+    current: bool | None = None  # the regime this level last chose outside a burst
 
 
 class RegimeChooser:
@@ -109,6 +120,11 @@ class RegimeChooser:
                 else:
                     choice, lv.predicted = found[0], None
             self._current = choice
+            if lv.current is not None and choice != lv.current:
+                # the measurements turned: the regime left is revisited soon again (the gaps doubled while it ruled
+                # would otherwise keep a turn made by noise for thousands of steps)
+                lv.period = FIRST_PERIOD
+            lv.current = choice
             other = not choice
             own = max(lv.period, self._spacing(lv, rate))
             if lv.since[other] >= max(own, self._inherited_gap(lv, num_requests)):
@@ -190,9 +206,12 @@ class RegimeChooser:
         if verified_drafts != drafted or ms <= 0:
             return
         lv = self.levels.setdefault(self.level(num_requests), _Level())
-        rate = tokens / ms
-        lv.rate[drafted] = rate if drafted not in lv.rate else DECAY * lv.rate[drafted] + (1 - DECAY) * rate
-        lv.ms[drafted] = ms if drafted not in lv.ms else DECAY * lv.ms[drafted] + (1 - DECAY) * ms
+        n = lv.count[drafted] = lv.count.get(drafted, 0) + 1
+        # the plain mean of the first steps, then exponential: no first step weighs more than the ones after it
+        w_ms, w_tokens = max(1 - DECAY, 1 / n), max(1 - TOKENS_DECAY, 1 / n)
+        lv.ms[drafted] = (1 - w_ms) * lv.ms.get(drafted, 0.0) + w_ms * ms
+        lv.tokens[drafted] = (1 - w_tokens) * lv.tokens.get(drafted, 0.0) + w_tokens * tokens
+        lv.rate[drafted] = lv.tokens[drafted] / lv.ms[drafted]
 
     def rates(self) -> dict[int, dict[str, float]]:
         return {lvl: {("spec" if k else "plain"): v for k, v in lv.rate.items()} for lvl, lv in self.levels.items()}
