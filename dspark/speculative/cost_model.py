@@ -179,6 +179,11 @@ class CostModel:
 OUTLIER_RATIO = 5.0
 SURPRISE = 0.25  # a speculative step measured this far (relative) from its refined prediction moves the verdicts
 SPEC_LOADS = 8  # recent speculative steps whose request counts say at which loads drafting's cost was measured
+# speculative steps learned from before their residual prices a verdict: an engine's first drafting steps pay first-call
+# costs (kernel and primitive selection for new shapes, allocation), several in a row, so the outlier rule keeps only
+# the first out. Learned from 1-3 of them, a residual priced drafting at 125 against plain's 41 ms at batch 1 on CPU
+# (drafting cost ~38 ms) and kept the engine plain for ~500 steps before its first drafting burst.
+MIN_SPEC_STEPS = 8
 MIN_PLAIN_FRACTION = 0.5  # a plain step is never predicted below this share of its profiled time
 
 
@@ -252,8 +257,9 @@ class RefinedCostModel(CostModel):
         (self.spec if speculative else self.plain).add(num_requests, measured_ms - base_ms)
 
     def measured_at_or_below(self, num_requests: int) -> bool:
-        """Whether one of the last SPEC_LOADS speculative steps ran with at most num_requests requests."""
-        return any(r <= num_requests for r in self._spec_loads)
+        """Whether one of the last SPEC_LOADS speculative steps ran with at most num_requests requests, once at least
+        MIN_SPEC_STEPS were learned from."""
+        return self.spec.count >= MIN_SPEC_STEPS and any(r <= num_requests for r in self._spec_loads)
 
     def overhead_ms(self, num_requests: int, speculative: bool = True) -> float:
         if speculative:

@@ -13,7 +13,7 @@ from dspark.config import SamplingParams
 from dspark.core.request import Request
 from dspark.core.scheduler import ScheduledRequest, SchedulerOutput
 from dspark.speculative.budget import drafting_verdict
-from dspark.speculative.cost_model import OUTLIER_RATIO, CostModel, RefinedCostModel
+from dspark.speculative.cost_model import MIN_SPEC_STEPS, OUTLIER_RATIO, CostModel, RefinedCostModel
 from dspark.speculative.planner import VerificationPlanner
 from dspark.speculative.regime import BURST, FIRST_PERIOD
 from dspark.speculative.step_timer import StepTimer
@@ -228,6 +228,9 @@ def test_drafting_costs_count_for_a_verdict_only_at_loads_at_or_above_where_they
     base = CostModel.from_points({1: 5.0, 1024: 5.0}, {1: 1.0, 1024: 1.0})
     refined = RefinedCostModel(base)
     assert not refined.measured_at_or_below(1024)
+    for _ in range(MIN_SPEC_STEPS - 1):
+        refined.observe(256, 6.0, 9.0, speculative=True)
+    assert not refined.measured_at_or_below(1000)  # too few: an engine's first drafting steps pay first-call costs
     refined.observe(256, 6.0, 9.0, speculative=True)
     assert refined.measured_at_or_below(256) and refined.measured_at_or_below(1000)
     assert not refined.measured_at_or_below(2)
@@ -307,16 +310,17 @@ def test_a_ramp_drafts_once_where_measured_drafting_costs_more_than_the_profile_
     monkeypatch: pytest.MonkeyPatch, draft_cost: float
 ) -> None:
     """A ramp to 256 requests crosses a new load level every few steps; the profile says drafting pays at each, and
-    without measured costs each level would draft. Once a drafting step has been measured, the model's drafting costs
-    are measured ones: it says plain at the levels that follow, and they explore drafting only as rarely as the
-    predicted rates say a burst may cost 1% of the time between (the first comes after ~200 steps here). Here a
-    drafting step costs 4x or 7x a plain one (7x is beyond the outlier ratio: it is learned from its second step) for
-    ~2 tokens per request."""
+    without measured costs each level would draft. Once MIN_SPEC_STEPS drafting steps have been measured, the model's
+    drafting costs are measured ones: it says plain at the levels that follow, and they explore drafting only as
+    rarely as the predicted rates say a burst may cost 1% of the time between (after ~200 steps here). Before that a
+    level explores once, as with nothing measured: the first run and one burst. Here a drafting step costs 4x or 7x a
+    plain one (7x is beyond the outlier ratio: it is learned from its second step) for ~2 tokens per request."""
     choices, planner = _ramp(monkeypatch, draft_cost=draft_cost, conf=0.5)
     assert planner.cost is not None and planner.cost.spec.count
     assert choices[0]  # the profile's verdict, before anything is measured
     first = 1 if draft_cost < OUTLIER_RATIO else 2  # the drafting run's steps before its cost is learned
-    assert not any(choices[first:200]), [i for i, c in enumerate(choices) if c]
+    assert not any(choices[first : first + FIRST_PERIOD])
+    assert sum(choices[first:200]) <= BURST, [i for i, c in enumerate(choices) if c]  # one burst
     assert sum(choices) <= first + BURST
 
 
