@@ -14,9 +14,9 @@ torch's CPU flash kernel is slow in bf16 for short queries (it tiles for long on
 two plain matmuls at batch 16), so a short call in bf16 with enough keys runs as two batched matmuls around an fp32
 softmax (`_attend_matmul`), as transformers' eager attention does.
 
-A step of short queries only (decode, verification; causal) in fp32 or bf16 skips all of that where kernels/cpu.py
-builds: one C kernel writes each request's keys and values and attends over its blocks in place, with no gather,
-mask or padding to the longest context.
+A step of short queries only (decode, verification, a DSpark draft block) in fp32 or bf16 skips all of that where
+kernels/cpu.py builds: one C kernel writes each request's keys and values and attends over its blocks in place, with
+no gather, mask or padding to the longest context.
 
 A row's bits may depend on what is batched beside it (BLAS picks kernels by shape): dspark's batch-invariant mode
 uses torch_ref.TorchAttention instead (docs/numerics.md).
@@ -71,8 +71,7 @@ class SdpaAttention:
         has its calls built only if the kernel cannot take it (a dtype it lacks)."""
         self._meta, self._block_size = meta, block_size
         self._short_only = (
-            meta.causal
-            and meta.max_query_len <= SHORT_QUERY
+            meta.max_query_len <= SHORT_QUERY
             and meta.slot_mapping.device.type == "cpu"
             and cpu_kernels.lib() is not None
         )
@@ -176,7 +175,7 @@ class SdpaAttention:
         if self._short_only and q.shape[0] == n and cache.key.dtype == q.dtype and cpu_kernels.supports(q):
             return cpu_kernels.paged_attention(
                 q, k, v, cache.key, cache.value, meta.slot_mapping, meta.query_start_loc, meta.block_tables,
-                meta.seq_lens, scale,
+                meta.seq_lens, scale, meta.causal,
             )  # fmt: skip
         if self._calls is None:  # a step the kernel does not take after all
             self._calls = self._plan(meta, self._block_size)

@@ -181,7 +181,8 @@ void silu_mul_bf16(const void *gu, void *out, int64_t n, int64_t inter, int nt) 
 
 /* Attention of request r's queries over kv head g (work item r * Hkv + g): its nq = qsl[r + 1] - qsl[r] queries are the
  * last nq of its seq_lens[r] positions (a decode step's one, or a verification's last token and drafts), each seeing
- * the keys up to its own position; first its own keys and values are written at their slots. q: [tokens, H, d] rows
+ * the keys up to its own position (causal), or every key of the request (not causal: a DSpark draft block); first its
+ * own keys and values are written at their slots. q: [tokens, H, d] rows
  * at q_stride; k, v: [tokens, Hkv, d] at kv_stride; caches: [blocks, bs, Hkv, d]; slots: [tokens] flat cache slots
  * (-1: padding, not written); tables: [requests, mb] int32; out: [tokens, H * d]. Each key row is read once for all
  * the queries and the H / Hkv heads that share it (rows t = query * size + head); softmax in fp32 over each row's
@@ -189,7 +190,7 @@ void silu_mul_bf16(const void *gu, void *out, int64_t n, int64_t inter, int nt) 
 static inline __attribute__((always_inline)) void paged_attention_item(
     const void *q, int64_t q_stride, const void *k, const void *v, int64_t kv_stride, void *kc, void *vc,
     const int64_t *slots, const int32_t *qsl, const int32_t *tables, int64_t mb, const int32_t *seq_lens, void *out,
-    int64_t item, int64_t H, int64_t Hkv, int64_t d, int64_t bs, float scale, const int bf) {
+    int64_t item, int64_t H, int64_t Hkv, int64_t d, int64_t bs, float scale, int causal, const int bf) {
     const int64_t size = H / Hkv, r = item / Hkv, g = item % Hkv;
     const int64_t first_token = qsl[r], nq = qsl[r + 1] - qsl[r], rows = nq * size, len = seq_lens[r];
     const size_t es = bf ? 2 : 4;
@@ -221,7 +222,7 @@ static inline __attribute__((always_inline)) void paged_attention_item(
         for (int64_t o = 0; o < bs && l < len; o++, l++) {
             const int64_t row = first + o * Hkv * d;
             /* rows of queries before position l never read it: they start at query l - (len - nq) */
-            const int64_t t0 = l > len - nq ? (l - (len - nq)) * size : 0;
+            const int64_t t0 = causal && l > len - nq ? (l - (len - nq)) * size : 0;
 #ifdef __AVX512F__
             if (wide) {
                 __m512 kv[8];
@@ -243,7 +244,7 @@ static inline __attribute__((always_inline)) void paged_attention_item(
         }
     }
     for (int64_t t = 0; t < rows; t++) {
-        const int64_t lim = len - nq + t / size + 1; /* causal: keys up to the query's own position */
+        const int64_t lim = causal ? len - nq + t / size + 1 : len; /* causal: up to the query's own position */
         float m = -INFINITY, sum = 0.0f;
         for (int64_t l = 0; l < lim; l++) m = sc[t * len + l] > m ? sc[t * len + l] : m;
         for (int64_t l = 0; l < lim; l++) {
@@ -256,7 +257,7 @@ static inline __attribute__((always_inline)) void paged_attention_item(
     }
 #ifdef __AVX512F__
     for (int64_t t = 0; t < rows && wide; t++) {
-        const int64_t lim = len - nq + t / size + 1;
+        const int64_t lim = causal ? len - nq + t / size + 1 : len;
         __m512 a[8];
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
@@ -281,7 +282,7 @@ static inline __attribute__((always_inline)) void paged_attention_item(
         for (int64_t o = 0; o < bs && l < len; o++, l++) {
             const int64_t row = first + o * Hkv * d;
             const float *vr = as_f32(vc, row, d, key, bf);
-            const int64_t t0 = l > len - nq ? (l - (len - nq)) * size : 0;
+            const int64_t t0 = causal && l > len - nq ? (l - (len - nq)) * size : 0;
             for (int64_t t = t0; t < rows; t++) {
                 const float p = sc[t * len + l];
 #pragma omp simd
@@ -299,10 +300,10 @@ static inline __attribute__((always_inline)) void paged_attention_item(
     void paged_attention_##SUFFIX(const void *q, int64_t qs, const void *k, const void *v, int64_t kvs, void *kc,   \
                                   void *vc, const int64_t *slots, const int32_t *qsl, const int32_t *tables,        \
                                   int64_t mb, const int32_t *lens, void *out, int64_t n, int64_t H, int64_t Hkv,    \
-                                  int64_t d, int64_t bs, float scale, int nt) {                                     \
+                                  int64_t d, int64_t bs, float scale, int causal, int nt) {                         \
         PARALLEL_FOR(item, n * Hkv, nt)                                                                             \
         paged_attention_item(q, qs, k, v, kvs, kc, vc, slots, qsl, tables, mb, lens, out, item, H, Hkv, d, bs,    \
-                             scale, BF);                                                                            \
+                             scale, causal, BF);                                                                    \
     }
 PAGED_ATTENTION(f32, 0)
 PAGED_ATTENTION(bf16, 1)
@@ -541,3 +542,68 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
     return -1;
 }
 #endif
+
+/* A DSpark block's greedy draft at one position with its Markov correction: for each row r, the index of the largest
+ * base[r][v] + to_dtype(e[r] . W2[v]) (the first of equal ones; a NaN counts as the largest, as torch.argmax), in one
+ * pass over w2t ([rank, V], the correction's weight transposed at load) instead of a [R, V] GEMM output, an add and
+ * an argmax. base: fp32 rows at base_stride; e: [R, rank], rank <= 256; one row's vocabulary split over threads. */
+#define MK_CHUNK 512
+static inline __attribute__((always_inline)) void markov_argmax_range(const float *base, const void *w2t,
+                                                                      const void *e, int64_t rank, int64_t V,
+                                                                      int64_t v0, int64_t v1, float *best_out,
+                                                                      int64_t *at_out, const int bf) {
+    float ev[256], buf[MK_CHUNK];
+    for (int64_t i = 0; i < rank; i++) ev[i] = ld(e, i, bf);
+    float best = -INFINITY;
+    int64_t at = v0 < v1 ? v0 : -1;
+    for (int64_t v = v0; v < v1; v += MK_CHUNK) {
+        const int64_t n = v1 - v < MK_CHUNK ? v1 - v : MK_CHUNK;
+        for (int64_t j = 0; j < n; j++) buf[j] = 0.0f;
+        for (int64_t i = 0; i < rank; i++) {
+            const float a = ev[i];
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) buf[j] += a * ld(w2t, i * V + v + j, bf);
+        }
+        float m = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t j = 0; j < n; j++) {
+            const float x = base[v + j] + rnd(buf[j], bf);
+            buf[j] = x;
+            nan |= x != x;
+            m = x > m ? x : m;
+        }
+        if (nan || m > best) {
+            for (int64_t j = 0; j < n; j++)
+                if (nan ? buf[j] != buf[j] : buf[j] == m) {
+                    at = v + j;
+                    break;
+                }
+            best = nan ? NAN : m;
+            if (nan) break;
+        }
+    }
+    *best_out = best, *at_out = at;
+}
+
+#define MARKOV_ARGMAX(SUFFIX, BF)                                                                                    \
+    void markov_argmax_##SUFFIX(const float *base, int64_t base_stride, const void *w2t, const void *e, int64_t R, \
+                                int64_t rank, int64_t V, int64_t *out, int nt) {                                   \
+        const int parts = nt < 1 ? 1 : (nt > 64 ? 64 : nt);                                                         \
+        for (int64_t r = 0; r < R; r++) {                                                                           \
+            const float *row = base + r * base_stride;                                                              \
+            const void *er = (const char *)e + r * rank * (BF ? 2 : 4);                                             \
+            float best[64];                                                                                         \
+            int64_t at[64];                                                                                         \
+            _Pragma("omp parallel for num_threads(parts) schedule(static)") for (int p = 0; p < parts; p++)        \
+                markov_argmax_range(row, w2t, er, rank, V, V * p / parts, V * (p + 1) / parts, best + p, at + p,   \
+                                    BF);                                                                            \
+            int64_t win = at[0];                                                                                    \
+            float top = best[0];                                                                                    \
+            for (int p = 1; p < parts && top == top; p++) /* earlier parts win ties; a NaN wins */                 \
+                if (at[p] >= 0 && (best[p] != best[p] || best[p] > top)) top = best[p], win = at[p];                \
+            out[r] = win;                                                                                           \
+        }                                                                                                           \
+    }
+MARKOV_ARGMAX(f32, 0)
+MARKOV_ARGMAX(bf16, 1)

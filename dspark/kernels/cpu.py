@@ -37,8 +37,31 @@ _SIGNATURES = {
     "rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "rotary": [_P, _I, _I, _I, _I, _P, _P, ctypes.c_int],
     "silu_mul": [_P, _P, _I, _I, ctypes.c_int],
-    "paged_attention": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
+    "paged_attention": [
+        _P,
+        _I,
+        _P,
+        _P,
+        _I,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I,
+        _P,
+        _P,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _F,
+        ctypes.c_int,
+        ctypes.c_int,
+    ],
     "argmax": [_P, _I, _I, _I, _P, ctypes.c_int],
+    "markov_argmax": [_P, _I, _P, _P, _I, _I, _I, _P, ctypes.c_int],
 }
 
 
@@ -179,9 +202,11 @@ def paged_attention(
     block_tables: torch.Tensor,  # [requests, max_blocks] int32
     seq_lens: torch.Tensor,  # [requests] int32
     scale: float,
+    causal: bool = True,
 ) -> torch.Tensor:  # [tokens, H, D]
-    """Causal attention of short queries (a decode step's one per request, a verification's few), each request's the
-    last of its seq_lens positions: writes k and v at slot_mapping, then attends over each request's blocks."""
+    """Attention of short queries (a decode step's one per request, a verification's few, a DSpark draft block), each
+    request's the last of its seq_lens positions: writes k and v at slot_mapping, then attends over each request's
+    blocks, causally (up to each query's position) or not (every key of the request)."""
     n, h, d = q.shape
     hkv, bs = k.shape[1], key_cache.shape[1]
     if k.stride(0) != v.stride(0):  # k came out of a q/k norm, v is still a view of the GEMM's output
@@ -213,6 +238,7 @@ def paged_attention(
         d,
         bs,
         scale,
+        int(causal),
         torch.get_num_threads(),
     )
     return out
@@ -256,4 +282,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of a [n, m] tensor whose rows are contiguous -> [n] int64."""
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _fn("argmax", x.dtype)(x.data_ptr(), _rows(x), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def markov_argmax(base: torch.Tensor, e: torch.Tensor, w2t: torch.Tensor) -> torch.Tensor:
+    """(base + (e @ w2t).to(e.dtype)).argmax(-1) in one pass: a DSpark block's greedy drafts at one position with the
+    Markov correction. base: [R, V] fp32, rows contiguous (any row stride); e: [R, rank]; w2t: [rank, V] contiguous,
+    e's dtype; rank <= 256. -> [R] int64."""
+    r, v = base.shape
+    rank = w2t.shape[0]
+    assert base.dtype == torch.float32 and e.dtype == w2t.dtype and w2t.is_contiguous() and w2t.shape[1] == v
+    assert rank <= 256 and e.shape == (r, rank)
+    e = e.contiguous()
+    out = torch.empty(r, dtype=torch.int64)
+    _fn("markov_argmax", e.dtype)(
+        base.data_ptr(), _rows(base), w2t.data_ptr(), e.data_ptr(), r, rank, v, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
     return out

@@ -398,8 +398,8 @@ def use_fast_cpu_path(model: nn.Module) -> None:
     pre-packed GEMMs where oneDNN takes them, torch's fused SiLU. A row's bits may then depend on its batch (oneDNN
     picks kernels by shape), so the batch-invariant mode keeps the reference path instead."""
     for module in model.modules():
-        if isinstance(module, (Attention, MLP)):
-            module.pack_for_cpu()
+        if isinstance(module, (Attention, MLP)) or callable(getattr(module, "pack_for_cpu", None)):
+            module.pack_for_cpu()  # a drafter's heads too (the DSpark Markov head)
         elif isinstance(module, RMSNorm):
             module.cpu_fused = cpu_kernels.lib() is not None
         elif isinstance(module, CausalLM):

@@ -72,6 +72,55 @@ def test_argmax_first_of_ties_and_nan(dtype: torch.dtype) -> None:
     assert cpu.argmax(x)[1].item() == 7
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_markov_argmax_is_the_corrected_argmax(dtype: torch.dtype) -> None:
+    """A DSpark greedy draft with its Markov correction, (base + (e @ W2^T).to(dtype)).argmax(-1), in one pass: rows
+    of a strided [R, k, V] block, rank 32, a vocabulary the threads split unevenly; ties go to the first index and a
+    NaN wins, as in torch.argmax."""
+    g = torch.Generator().manual_seed(9)
+    vocab, rank = 49157, 32
+    block = torch.randn(3, 7, vocab, generator=g) * 3
+    w2 = (torch.randn(vocab, rank, generator=g) / 4).to(dtype)
+    e = torch.randn(3, rank, generator=g).to(dtype)
+    w2t = w2.t().contiguous()
+    for j in range(7):
+        base = block[:, j]  # rows at stride 7 * V
+        got = cpu.markov_argmax(base, e, w2t)
+        logits = base + F.linear(e, w2).float()
+        best = logits.max(dim=-1).values
+        chosen = logits.gather(1, got[:, None])[:, 0]
+        if dtype == torch.float32:
+            assert torch.equal(got, logits.argmax(dim=-1))
+        else:  # the correction rounds to bf16 after a sum in another order: a near-tie may go either way
+            assert torch.all(chosen >= best - 0.02 * best.abs())
+    base = torch.zeros(2, vocab)
+    zero = torch.zeros(2, rank, dtype=dtype)
+    base[0, 40000] = base[0, 30] = 5.0  # a tie across the threads' halves: the first
+    base[1, 45000] = float("nan")
+    base[1, 3] = 100.0
+    assert cpu.markov_argmax(base, zero, w2t).tolist() == [30, 45000]
+
+
+def test_greedy_block_drafts_through_the_kernel_equal_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sample_block_with on the fast CPU path (MarkovHead.pack_for_cpu) drafts the same greedy tokens, position by
+    position, as the GEMM + add + argmax it replaces (fp32), and takes the kernel at every position."""
+    from dspark.speculative.drafters.dspark.markov import MarkovHead, sample_block_with
+
+    g = torch.Generator().manual_seed(10)
+    head = MarkovHead(1000, 16)
+    for p in head.parameters():
+        p.data = torch.randn(p.shape, generator=g)
+    base, h = torch.randn(3, 7, 1000, generator=g) * 2, torch.randn(3, 7, 8, generator=g)
+    anchors, temps, greedy = torch.tensor([1, 2, 3]), torch.ones(3), torch.ones(3, dtype=torch.bool)
+    plain = sample_block_with(base, h, anchors, head, None, temps, greedy, None).tokens
+    head.pack_for_cpu()
+    calls = []
+    real = cpu.markov_argmax
+    monkeypatch.setattr(cpu, "markov_argmax", lambda *a: calls.append(1) or real(*a))
+    fused = sample_block_with(base, h, anchors, head, None, temps, greedy, None).tokens
+    assert len(calls) == 7 and torch.equal(fused, plain)
+
+
 def _paged(num_reqs: int, lens: list[int], hkv: int, d: int, bs: int, dtype: torch.dtype, g: torch.Generator):
     """Caches with random contents and each request's blocks scattered (disjoint) through them."""
     per = max(-(-n // bs) for n in lens)
@@ -133,6 +182,35 @@ def test_verification_queries_are_causal(dtype: torch.dtype, h: int, hkv: int, d
             t, visible = int(qsl[r]) + j, ln - nq + j + 1
             probs = (torch.einsum("hd,lhd->hl", q[t].float(), keys[:visible]) * 0.125).softmax(-1)
             expected = torch.einsum("hl,lhd->hd", probs, values[:visible])
+            torch.testing.assert_close(out[t].float(), expected, atol=ATOL[dtype] / 5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (4, 2, 40)])
+def test_draft_block_queries_see_every_key(dtype: torch.dtype, h: int, hkv: int, d: int) -> None:
+    """Not causal (a DSpark draft block): each of a request's queries sees all of its seq_lens keys, its block's own
+    included both ways; blocks of 7 after contexts of 1 to 93 keys, and one padding row (slot -1) past the last."""
+    g = torch.Generator().manual_seed(8)
+    bs, lens, nqs = 16, [8, 100, 23], [7, 7, 7]
+    kc, vc, tables = _paged(len(lens), lens, hkv, d, bs, dtype, g)
+    qsl = torch.tensor([0, 7, 14, 21], dtype=torch.int32)
+    q, k, v = (torch.randn(22, heads, d, generator=g).to(dtype) for heads in (h, hkv, hkv))
+    pairs = list(enumerate(zip(lens, nqs, strict=True)))
+    slots = [int(tables[r, p // bs]) * bs + p % bs for r, (ln, nq) in pairs for p in range(ln - nq, ln)]
+    slots = torch.tensor([*slots, -1])
+    out = cpu.paged_attention(
+        q, k, v, kc, vc, slots, qsl, tables, torch.tensor(lens, dtype=torch.int32), 0.125, causal=False
+    )
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    assert torch.equal(flat_k[slots[:21]], k[:21]) and torch.equal(flat_v[slots[:21]], v[:21])
+    for r, (ln, nq) in pairs:
+        rows = torch.tensor([int(tables[r, p // bs]) * bs + p % bs for p in range(ln)])
+        keys = flat_k[rows].float().repeat_interleave(h // hkv, dim=1)
+        values = flat_v[rows].float().repeat_interleave(h // hkv, dim=1)
+        for j in range(nq):
+            t = int(qsl[r]) + j
+            probs = (torch.einsum("hd,lhd->hl", q[t].float(), keys) * 0.125).softmax(-1)
+            expected = torch.einsum("hl,lhd->hd", probs, values)
             torch.testing.assert_close(out[t].float(), expected, atol=ATOL[dtype] / 5, rtol=1e-4)
 
 
