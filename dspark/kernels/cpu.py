@@ -1,5 +1,6 @@
 """The fast CPU path's fused kernels (cpu.c): RMSNorm with the residual add, rotary in place, SiLU-and-multiply,
-attention of short queries (decode, verification) over the paged cache, and argmax; built once per machine with the
+attention of short queries (decode, verification, DSpark draft blocks) over the paged cache, bf16 prompt-chunk
+attention on AVX512-BF16, argmax, and a DSpark block's greedy Markov-corrected argmax; built once per machine with the
 C compiler and loaded by ctypes.
 
 A decode step of the default model at batch 16 spent about half its time outside the GEMMs on CPU: ~50 torch ops
