@@ -7,8 +7,8 @@ prepare() turns the step's batch into a few calls, once for all layers:
   query may see;
 - a long query (a prompt chunk) runs alone through scaled_dot_product_attention, causal over its own keys (is_causal
   when it is the whole context, an explicit bottom-right mask when it follows keys already cached); in bf16 on a CPU
-  with AVX512-BF16, kernels/cpu.py's prefill_attention takes it instead, over the paged cache in place (~1.9x torch's
-  flash kernel here: 230-260 against 117-135 GFLOP/s).
+  with AVX512-BF16, kernels/cpu.py's prefill_attention takes it instead, over the paged cache in place (1.5-1.9x torch's
+  flash kernel here: 190-260 against 117-135 GFLOP/s).
 
 torch's CPU flash kernel is slow in bf16 for short queries (it tiles for long ones: ~0.7 us per key and request, 10x
 two plain matmuls at batch 16), so a short call in bf16 with enough keys runs as two batched matmuls around an fp32
