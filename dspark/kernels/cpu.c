@@ -97,9 +97,13 @@ static inline __attribute__((always_inline)) const float *as_f32(const void *cac
 static inline __attribute__((always_inline)) float rnd(float x, const int bf) { return bf ? bf2f(f2bf(x)) : x; }
 
 /* Each kernel is a row function, inlined with bf a constant into one parallel loop per dtype (an OpenMP region
- * outlined from a shared body would take bf at run time and not vectorise). */
-#define PARALLEL_FOR(i, n, nt) _Pragma("omp parallel for num_threads(nt) schedule(static) if (n > 1)") \
-    for (int64_t i = 0; i < (n); i++)
+ * outlined from a shared body would take bf at run time and not vectorise). The count goes through a local: a macro
+ * argument inside _Pragma's string is not substituted (it read a caller's `n`, so one request's attention ran on one
+ * thread). nt is the callers' parameter of that name. */
+#define PARALLEL_FOR(i, n, nt)                                                                                      \
+    for (int64_t pf_count_ = (n), pf_once_ = 1; pf_once_; pf_once_ = 0)                                            \
+    _Pragma("omp parallel for num_threads(nt) schedule(static) if (pf_count_ > 1)") for (int64_t i = 0; i < pf_count_; \
+                                                                                          i++)
 
 /* h = w * to_dtype(x * rsqrt(mean(x^2) + eps)) per row; with delta: x = x + delta first (rounded), written to x_out.
  * x, delta, h, x_out: [n, dim] rows at the given strides (elements); w: [dim]. */
@@ -413,8 +417,12 @@ static inline __attribute__((always_inline)) void prefill_rows(const uint32_t *c
             tmax = _mm512_max_ps(tmax, s[r][c]);
         }
         const float tm = _mm512_reduce_max_ps(tmax);
-        const float m_new = tm > mx[r] ? tm : mx[r];
-        alpha[r] = mx[r] == -INFINITY ? 0.0f : expf(mx[r] - m_new);
+        /* a NaN score (NaN or inf in q or k) makes the row NaN, as in torch: max_ps drops NaN by lane order */
+        __mmask16 nan = 0;
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) nan |= _mm512_mask_cmp_ps_mask(keep[c], s[r][c], s[r][c], _CMP_UNORD_Q);
+        const float m_new = nan ? NAN : (tm > mx[r] ? tm : mx[r]);
+        alpha[r] = nan ? NAN : (mx[r] == -INFINITY ? 0.0f : expf(mx[r] - m_new));
         mx[r] = m_new;
         __m512 sum = _mm512_setzero_ps();
 #pragma GCC unroll 4
@@ -598,11 +606,11 @@ static inline __attribute__((always_inline)) void markov_argmax_range(const floa
             _Pragma("omp parallel for num_threads(parts) schedule(static)") for (int p = 0; p < parts; p++)        \
                 markov_argmax_range(row, w2t, er, rank, V, V * p / parts, V * (p + 1) / parts, best + p, at + p,   \
                                     BF);                                                                            \
-            int64_t win = at[0];                                                                                    \
-            float top = best[0];                                                                                    \
-            for (int p = 1; p < parts && top == top; p++) /* earlier parts win ties; a NaN wins */                 \
-                if (at[p] >= 0 && (best[p] != best[p] || best[p] > top)) top = best[p], win = at[p];                \
-            out[r] = win;                                                                                           \
+            int64_t win = -1; /* earlier parts win ties; a NaN wins; an empty part (V < threads) has at -1 */      \
+            float top = -INFINITY;                                                                                  \
+            for (int p = 0; p < parts && top == top; p++)                                                           \
+                if (at[p] >= 0 && (win < 0 || best[p] != best[p] || best[p] > top)) top = best[p], win = at[p];     \
+            out[r] = win < 0 ? 0 : win;                                                                             \
         }                                                                                                           \
     }
 MARKOV_ARGMAX(f32, 0)

@@ -268,6 +268,7 @@ def prefill_attention(
     assert q.stride(2) == 1 and q.stride(1) == d and q.dtype == key_cache.dtype == torch.bfloat16
     assert key_cache.is_contiguous() and value_cache.is_contiguous() and block_table.dtype == torch.int32
     assert block_table.shape[0] * bs >= prefix + n and h % hkv == 0
+    assert d % 64 == 0 and d <= 256, f"head dim {d}: the kernel takes multiples of 64 up to 256 (prefill_supported)"
     table = block_table.contiguous()
     out = torch.empty(n, h, d, dtype=q.dtype)
     failed = lib().prefill_attention_bf16(  # type: ignore[union-attr]

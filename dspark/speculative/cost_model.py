@@ -179,10 +179,11 @@ class CostModel:
 OUTLIER_RATIO = 5.0
 SURPRISE = 0.25  # a speculative step measured this far (relative) from its refined prediction moves the verdicts
 SPEC_LOADS = 8  # recent speculative steps whose request counts say at which loads drafting's cost was measured
-# speculative steps learned from before their residual prices a verdict: an engine's first drafting steps pay first-call
-# costs (kernel and primitive selection for new shapes, allocation), several in a row, so the outlier rule keeps only
-# the first out. Learned from 1-3 of them, a residual priced drafting at 125 against plain's 41 ms at batch 1 on CPU
-# (drafting cost ~38 ms) and kept the engine plain for ~500 steps before its first drafting burst.
+# speculative steps learned from before a plain verdict carries the residual's predictions (which space a level's first
+# drafting burst, regime.Verdict): an engine's first drafting steps pay first-call costs (kernel and primitive
+# selection for new shapes, allocation), several in a row, so the outlier rule keeps only the first out. Learned from
+# 1-3 of them, a residual priced drafting at 125 against plain's 41 ms at batch 1 on CPU (drafting cost ~38 ms), and
+# the predictions put the first drafting burst ~500 steps away. Before then a plain verdict explores after FIRST_PERIOD.
 MIN_SPEC_STEPS = 8
 MIN_PLAIN_FRACTION = 0.5  # a plain step is never predicted below this share of its profiled time
 

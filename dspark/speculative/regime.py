@@ -46,6 +46,7 @@ DECAY = 0.8  # ms per step: weight of the previous average per new steady step
 # and came back only in rare bursts (58-69 against 80-88 tok/s). ~30 steps span such runs; a step's cost, steadier and
 # what load changes, keeps the short average.
 TOKENS_DECAY = 0.97
+BURST_MEMORY = 4  # an exploration burst's steady steps weigh as the 5th and later steps of a fresh average
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ class RegimeChooser:
             choice = lv.burst_regime
         else:
             rate = lv.rate
-            if len(rate) == 2:
+            measured = len(rate) == 2
+            if measured:
                 rate = {True: rate[True], False: self._plain_floor(level)}
                 spec, plain = rate[True], rate[False]
                 if spec > plain * (1 + MARGIN) or plain > spec * (1 + MARGIN):
@@ -120,15 +122,20 @@ class RegimeChooser:
                 else:
                     choice, lv.predicted = found[0], None
             self._current = choice
-            if lv.current is not None and choice != lv.current:
+            if measured and lv.current is not None and choice != lv.current:
                 # the measurements turned: the regime left is revisited soon again (the gaps doubled while it ruled
                 # would otherwise keep a turn made by noise for thousands of steps)
                 lv.period = FIRST_PERIOD
-            lv.current = choice
+            if measured:
+                lv.current = choice
             other = not choice
             own = max(lv.period, self._spacing(lv, rate))
             if lv.since[other] >= max(own, self._inherited_gap(lv, num_requests)):
                 lv.burst, lv.burst_regime = BURST - 1, other
+                # A burst's few steps must be able to move the long tokens average of a regime not run for long: a
+                # drafter measured during a long hard stretch would otherwise need dozens of bursts to come back
+                if other in lv.count:
+                    lv.count[other] = min(lv.count[other], BURST_MEMORY)
                 # NOTE: doubled from the gap just waited, not from the period: once the spacing exceeds the period,
                 # doubling a small period would keep the bursts at the spacing for several more rounds. A neighbour's
                 # gap only delays a level's first burst: after it the level has measured rates of its own.

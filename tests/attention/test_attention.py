@@ -182,8 +182,13 @@ def test_sdpa_takes_the_bf16_prefill_kernel_for_long_chunks(monkeypatch: pytest.
         torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
 
 
-def test_sdpa_equals_the_reference_on_a_non_causal_block() -> None:
-    """A DSpark draft block attends to its whole context and to itself both ways (causal=False)."""
+@pytest.mark.parametrize("inference", [False, True], ids=["torch-calls", "kernel"])
+def test_sdpa_equals_the_reference_on_a_non_causal_block(inference: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DSpark draft block attends to its whole context and to itself both ways (causal=False): through SDPA's own
+    calls, and in inference (how the engine runs) through the C paged-attention kernel where it builds."""
+    calls: list[bool] = []
+    real = sdpa.cpu_kernels.paged_attention
+    monkeypatch.setattr(sdpa.cpu_kernels, "paged_attention", lambda *a: calls.append(a[-1]) or real(*a))
     g = torch.Generator().manual_seed(11)
     cache = KVCache(torch.randn(NB, BS, HKV, D, generator=g), torch.randn(NB, BS, HKV, D, generator=g))
     reqs = [([3, 9, 4], 30, 7), ([12, 1], 10, 7), ([7, 8, 20, 21, 22], 70, 7)]  # (blocks, first position, block of 7)
@@ -193,8 +198,10 @@ def test_sdpa_equals_the_reference_on_a_non_causal_block() -> None:
         torch.randn(n, HKV, D, generator=g),
         torch.randn(n, HKV, D, generator=g),
     )
-    outs = [
-        _step(backend, KVCache(cache.key.clone(), cache.value.clone()), reqs, q, k, v, causal=False)
-        for backend in (TorchAttention(), SdpaAttention())
-    ]
+    with torch.inference_mode(inference):
+        outs = [
+            _step(backend, KVCache(cache.key.clone(), cache.value.clone()), reqs, q, k, v, causal=False)
+            for backend in (TorchAttention(), SdpaAttention())
+        ]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert calls == ([False] if inference and sdpa.cpu_kernels.lib() is not None else [])  # causal=False

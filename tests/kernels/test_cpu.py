@@ -261,6 +261,20 @@ def test_prefill_attention_against_gathered_context(h: int, hkv: int, d: int, bs
         torch.testing.assert_close(out.float(), expected, atol=0.02, rtol=0.02)
 
 
+@pytest.mark.skipif(not _prefill_kernel(), reason="no AVX512-BF16 prefill kernel on this CPU")
+def test_prefill_attention_keeps_a_nan_in_its_row() -> None:
+    """A NaN in a query makes that query head's output NaN, as in torch, and no other row's: on its first key tile
+    (the max of a tile drops NaN by lane order) and past it."""
+    g = torch.Generator().manual_seed(12)
+    kc, vc, tables = _paged(1, [150], 3, 64, 16, torch.bfloat16, g)
+    q = torch.randn(150, 9, 64, generator=g).to(torch.bfloat16)
+    q[5, 2, 7] = q[140, 4, 0] = float("nan")
+    out = cpu.prefill_attention(q, kc, vc, tables[0], 0, 0.125)
+    nan_rows = out.isnan().any(dim=-1)
+    assert out[5, 2].isnan().all() and out[140, 4].isnan().all()
+    assert nan_rows.sum() == 2
+
+
 def test_prefill_attention_takes_only_what_it_can() -> None:
     """bf16 and a head dim that is a multiple of 64 up to 256, in inference; anything else stays with torch."""
     if not _prefill_kernel():
