@@ -181,6 +181,18 @@ def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+def _all_ready(url: str) -> None:
+    """_serve waits for one /health 200, but SO_REUSEPORT hands each connection to any API server, and another may
+    still be starting (503 "starting"): wait for 20 answers of 200 in a row (a starting one among 2 is missed with
+    probability 2^-20)."""
+    deadline, in_a_row = time.monotonic() + 60, 0
+    while in_a_row < 20:
+        assert time.monotonic() < deadline, "an API server did not become ready"
+        in_a_row = in_a_row + 1 if _status(url)[0] == 200 else 0
+        if not in_a_row:
+            time.sleep(0.2)
+
+
 def _open_stream(url: str, **body: object) -> Any:
     data = json.dumps({"model": "tiny", "stream": True, **body}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", data, {"Content-Type": "application/json"})
@@ -201,6 +213,7 @@ def _lines(proc: Any) -> list[str]:
 def test_api_servers_share_the_requests_and_their_metrics_and_drain_on_sigterm(tiny_llama: Path) -> None:
     flags = [*FLAGS, "--log-level", "info"]
     with _serve(tiny_llama, flags, start_new_session=True, stdout=subprocess.PIPE) as (proc, url, line):
+        _all_ready(url)
         assert line.endswith("serving tiny through 2 API servers")
         core, fronts = _processes(proc.pid)
         answers = [_complete(url, prompt="one two three", max_tokens=4, temperature=0) for _ in range(12)]
@@ -241,6 +254,7 @@ def test_api_servers_share_the_requests_and_their_metrics_and_drain_on_sigterm(t
 
 def test_a_killed_core_ends_every_api_servers_streams(tiny_llama: Path) -> None:
     with _serve(tiny_llama, FLAGS, start_new_session=True) as (proc, url, _):
+        _all_ready(url)
         core, fronts = _processes(proc.pid)
         streams = [_open_stream(url, prompt="one", max_tokens=400, ignore_eos=True) for _ in range(6)]
         for stream in streams:
