@@ -215,7 +215,12 @@ def _supervise(core: Any, fronts: list[Any], control: zmq.Socket) -> int:
     core_seen = False
     while alive := [f for f in fronts if f.is_alive()]:
         # A front that ends between is_alive() and wait() is no race: its sentinel stays readable.
-        multiprocessing.connection.wait([f.sentinel for f in alive] + ([] if core_seen else [core.sentinel]))
+        ended = multiprocessing.connection.wait([f.sentinel for f in alive] + ([] if core_seen else [core.sentinel]))
+        # A sentinel closes as its process exits, a moment before waitpid can reap it: join what ended, or its exit
+        # code may read None here and the next is_alive() reap it unseen (a dead front left the launcher waiting).
+        for process in [*alive, core]:
+            if process.sentinel in ended:
+                process.join()
         if not core_seen and not core.is_alive():
             core_seen = True
             if not stopping:

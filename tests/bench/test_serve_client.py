@@ -60,8 +60,9 @@ def test_latencies_follow_the_injected_delays(fake: FakeServer, backend: str) ->
     assert (result["completed"], result["failed"]) == (6, 0)
     assert result["total_output_tokens"] == 6 * 8  # from the usage chunk
     assert result["total_input_tokens"] == 6 * 12  # the server's count: 12 words each
-    # The chat stream's role chunk comes at once; TTFT waits for the first text.
-    assert 140 <= result["mean_ttft_ms"] < 400
+    # The chat stream's role chunk comes at once; TTFT waits for the first text. No fixed upper bound (a loaded CI
+    # machine adds hundreds of ms to the first connection): the e2el check below puts 7 gaps after it.
+    assert result["mean_ttft_ms"] >= 140
     assert 25 <= result["median_itl_ms"] < 100
     assert 25 <= result["mean_tpot_ms"] < 100
     e2el = result["mean_e2el_ms"]

@@ -5,9 +5,11 @@ every API server's streams; Ctrl-C drains them all; an API server that dies stop
 from __future__ import annotations
 
 import json
+import multiprocessing.connection
 import os
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +32,7 @@ from dspark.engine.core_proc import (
 )
 from dspark.engine.messages import EngineCoreOutput, EngineCoreRequest
 from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dspark.server import api_servers
 from dspark.server.metrics import FrontPeers, ServerMetrics
 
 # ---- the core's routing -------------------------------------------------------------------------------------------
@@ -287,3 +290,64 @@ def test_an_api_server_that_dies_stops_the_server(tiny_llama: Path) -> None:
         assert proc.wait(timeout=60) == 1
         assert any("API server" in x and "exited with code -9; stopping the others" in x for x in _lines(proc))
         _wait_gone([core, fronts[0]])
+
+
+# ---- the launcher's supervision -----------------------------------------------------------------------------------
+
+
+class _Process:
+    """multiprocessing.Process as the launcher sees it. A process's sentinel closes as it exits, a moment (reap_after)
+    before waitpid reports its exit code; is_alive() and exitcode poll waitpid, join() waits for it."""
+
+    def __init__(self, pid: int, reap_after: float) -> None:
+        self.pid, self.reap_after = pid, reap_after
+        self.sentinel, self._end = os.pipe()
+        self._exited_at: float | None = None
+        self.exitcode: int | None = None
+
+    def exit(self, code: int) -> None:
+        os.close(self._end)
+        self._exited_at, self._code = time.monotonic(), code
+
+    def _poll(self) -> None:
+        if self._exited_at is not None and time.monotonic() >= self._exited_at + self.reap_after:
+            self.exitcode = self._code
+
+    def is_alive(self) -> bool:
+        self._poll()
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        while self._exited_at is not None and self.exitcode is None:
+            time.sleep(0.01)
+            self._poll()
+
+    def kill(self) -> None:
+        raise AssertionError("the core stops when asked")
+
+
+def test_the_launcher_sees_an_api_server_that_dies_before_it_can_be_reaped(monkeypatch: pytest.MonkeyPatch) -> None:
+    core = _Process(100, 0.0)
+    fronts = [_Process(101, 0.0), _Process(102, 0.3)]  # the one that dies is reaped only after a while
+    signals: list[tuple[int, int]] = []
+
+    def kill(pid: int, sig: int) -> None:  # a front asked to stop exits with 0
+        signals.append((pid, sig))
+        fronts[pid - 101].exit(0)
+
+    class _Control:
+        def send(self, _data: bytes) -> None:  # Shutdown: the core exits
+            core.exit(0)
+
+    wait = multiprocessing.connection.wait
+
+    def bounded_wait(objects: list[Any], timeout: float | None = None) -> list[Any]:
+        ready = wait(objects, 5.0)
+        assert ready, "the launcher waits for processes that will not end"
+        return ready
+
+    monkeypatch.setattr(api_servers.os, "kill", kill)
+    monkeypatch.setattr(api_servers.multiprocessing.connection, "wait", bounded_wait)
+    threading.Timer(0.2, fronts[1].exit, args=(-9,)).start()
+    assert api_servers._supervise(core, fronts, _Control()) == 1  # type: ignore[arg-type]
+    assert signals == [(101, signal.SIGTERM)] and core.exitcode == 0
