@@ -634,6 +634,9 @@ class ModelRunner:
     def release(self, request_id: str, finished: bool = True) -> None:
         """Forget a request's pending drafts; when it finished, the drafter's per-request state too."""
         self._draft_probs.pop(request_id, None)
+        flush = getattr(self.drafter, "flush_context", None)
+        if flush is not None:  # deferred context rows, before their blocks go to another request or a cache hit
+            flush()
         release = getattr(self.drafter, "release", None)
         if finished and release is not None:
             release(request_id)

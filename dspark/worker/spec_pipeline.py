@@ -326,6 +326,7 @@ class SpecPipeline:
     def run_b(self, r: int, sample: bool) -> None:
         """Steps 7-8 over r row slots: draft the next block from each row's new last token."""
         anchors, positions, meta, temps, greedy, u_all = self.prologue_b(r, sample)
+        self.drafter.flush_context()  # deferred context rows (the fast CPU path), before the block reads them
         backend = self.drafter.backend
         tokens, probs, confidences = self.drafter.block(backend, meta, anchors, positions, temps, greedy, u_all)
         self.epilogue_b(r, tokens, probs, confidences)

@@ -93,6 +93,7 @@ class Worker:
             )
             if isinstance(drafter, DSparkDrafter):
                 drafter.pad_rows = self.device.type == "cuda" or config.batch_invariant
+                drafter.defer_context = self.device.type == "cpu" and not config.batch_invariant
         self.runner = ModelRunner(
             config,
             self.model,

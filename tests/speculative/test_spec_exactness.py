@@ -22,6 +22,7 @@ from dspark.outputs import RequestOutput
 from dspark.speculative.cost_model import CostModel
 from dspark.speculative.drafters.dspark.checkpoint import random_drafter, save_drafter
 from dspark.speculative.drafters.dspark.config import DSparkConfig
+from dspark.speculative.drafters.dspark.drafter import DSparkDrafter
 from helpers import FAMILIES, hold_drafting
 
 
@@ -94,6 +95,28 @@ def test_greedy_output_is_unchanged_by_speculation(
             partial += sum(hist[1:k])  # steps that verified some but not all of K slots
     assert total_drafts > 0, "nothing was ever drafted: the test would prove nothing"
     assert partial > 0, "adaptive verification never verified a partial block: the test would prove little"
+
+
+def test_dspark_on_the_fast_cpu_path_defers_its_context_and_keeps_greedy_output(
+    tiny_model_dirs: dict[str, Path], drafters: dict[str, Path]
+) -> None:
+    """The default CPU path (not batch-invariant) defers the drafter's context write (DSparkDrafter.extend_context):
+    greedy output still equals the same path's without speculation, and once the requests ended (released), no row
+    is left unwritten."""
+    model = str(tiny_model_dirs["llama"])
+    prompts = _prompts(5, [5, 23, 70, 9])
+    params = _greedy_params(len(prompts))
+    reference = _tokens(_llm(model, None, batch_invariant=False).generate(prompts, params))
+    for adaptive in (False, True):
+        spec = {"method": "dspark", "model": str(drafters["llama"]), "enable_adaptive_verification": adaptive}
+        llm = _llm(model, spec, batch_invariant=False, max_num_batched_tokens=48)
+        drafter = llm.engine.core.runner.drafter
+        assert isinstance(drafter, DSparkDrafter) and drafter.defer_context
+        if adaptive:
+            hold_drafting(llm.engine)
+        assert _tokens(llm.generate(prompts, params)) == reference
+        assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+        assert drafter._pending_rows == 0 and not drafter._pending
 
 
 # Each verified token costs a quarter of a one-token step: only drafts with survival above 1/4 pay.

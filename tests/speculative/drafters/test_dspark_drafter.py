@@ -268,12 +268,21 @@ def _drafter_model(target: CausalLM, variant: str = "learned_mask", seed: int = 
 
 
 def _drafter(
-    model: DSparkModel, target: CausalLM, ctx: Context, sample: bool, k: int | None = None, seed: int = 0
+    model: DSparkModel,
+    target: CausalLM,
+    ctx: Context,
+    sample: bool,
+    k: int | None = None,
+    seed: int = 0,
+    defer_rows: int | None = None,
 ) -> tuple[DSparkDrafter, list[Request]]:
     """A drafter whose paged cache holds every request's context (written in two chunks, as chunked prefill would),
-    and the requests, each on blocks scattered over the cache."""
+    and the requests, each on blocks scattered over the cache. defer_rows: defer the context write (the fast CPU
+    path) with this many rows held at most."""
     block = model.config.block_size
     drafter = DSparkDrafter(model, target, k or block, sample, NUM_BLOCKS, PAGE, CPU, F32)
+    if defer_rows is not None:
+        drafter.defer_context, drafter.DEFER_ROWS = True, defer_rows
     perm = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
     requests, chunks = [], [([], [], []), ([], [], [])]
     for i, (tokens, taps) in enumerate(zip(ctx.tokens, ctx.taps, strict=True)):
@@ -526,6 +535,55 @@ def test_drafts_do_not_depend_on_the_batch(
     # Asking again (the block's own keys were written meanwhile) gives the same again.
     again = drafter.propose([requests[1]])
     assert again.token_ids == alone[1].token_ids and torch.equal(again.confidences, alone[1].confidences)
+
+
+def _cache_is_empty(drafter: DSparkDrafter) -> bool:
+    return all(not c.key.any() and not c.value.any() for c in drafter.caches)
+
+
+def test_deferred_context_rows_are_written_before_anything_reads_them(
+    targets: dict[str, CausalLM], contexts: dict[str, Context]
+) -> None:
+    target, ctx = targets["llama"], contexts["llama"]
+    model = _drafter_model(target)
+    eager, requests = _drafter(model, target, ctx, sample=True)
+    deferred, _ = _drafter(model, target, ctx, sample=True, defer_rows=10_000)
+    assert _cache_is_empty(deferred) and deferred._pending_rows == sum(len(t) - 1 for t in ctx.tokens)
+    # A slot written twice (a rejected draft's row, then the accepted token's) keeps the later row.
+    req = requests[1]
+    pos = torch.tensor([req.num_computed_tokens - 1], dtype=torch.int64)
+    slot = torch.tensor(slots_for(req.block_ids, int(pos), int(pos) + 1, PAGE), dtype=torch.int64)
+    g = torch.Generator().manual_seed(7)
+    first, later = (torch.randn(1, ctx.taps[1].shape[1], generator=g) for _ in range(2))
+    for drafter in (eager, deferred):
+        drafter.extend_context(first, pos, slot)
+        drafter.extend_context(later, pos, slot)
+    assert _cache_is_empty(deferred)
+    a, b = eager.propose(requests), deferred.propose(requests)  # the block reads the context: it is written first
+    assert deferred._pending_rows == 0 and not deferred._pending
+    assert a.token_ids == b.token_ids
+    assert a.probs is not None and b.probs is not None and torch.allclose(a.probs, b.probs, atol=1e-6)
+    assert a.confidences is not None and b.confidences is not None
+    assert torch.allclose(a.confidences, b.confidences, atol=1e-6)
+    for ca, cb in zip(eager.caches, deferred.caches, strict=True):
+        assert torch.allclose(ca.key, cb.key, atol=1e-5) and torch.allclose(ca.value, cb.value, atol=1e-5)
+
+
+def test_deferred_context_rows_are_written_once_the_limit_is_held(
+    targets: dict[str, CausalLM], contexts: dict[str, Context]
+) -> None:
+    target = targets["llama"]
+    drafter = DSparkDrafter(_drafter_model(target), target, K, False, NUM_BLOCKS, PAGE, CPU, F32)
+    drafter.defer_context = True
+    width = contexts["llama"].taps[0].shape[1]
+    g = torch.Generator().manual_seed(3)
+    for i in range(drafter.DEFER_ROWS - 1):
+        drafter.extend_context(torch.randn(1, width, generator=g), torch.tensor([i]), torch.tensor([i]))
+    assert _cache_is_empty(drafter) and drafter._pending_rows == drafter.DEFER_ROWS - 1
+    drafter.extend_context(torch.randn(2, width, generator=g), torch.tensor([70, 71]), torch.tensor([70, 71]))
+    assert drafter._pending_rows == 0 and not _cache_is_empty(drafter)
+    written = [int(s) for s in drafter.caches[0].key.flatten(0, 1).abs().sum((1, 2)).nonzero()]
+    assert written == [*range(drafter.DEFER_ROWS - 1), 70, 71]
 
 
 # ---- 3. checkpoints ----------------------------------------------------------------------------------------------
