@@ -615,3 +615,69 @@ static inline __attribute__((always_inline)) void markov_argmax_range(const floa
     }
 MARKOV_ARGMAX(f32, 0)
 MARKOV_ARGMAX(bf16, 1)
+
+/* A few rows through a large bf16 weight: out[M][N] fp32 = x[M][K] . W[N][K]^T, for the DSpark drafter's logits (a
+ * block's k <= 8 rows through the target's lm_head). oneDNN's kernel took ~2x its one-row time for 7 rows on the
+ * default model's lm_head (57 MB): a pass over the weight per few rows. Here the weight is read once for all rows, at
+ * memory speed: it is packed once as [N/16][K/2][16] words (a word: dims 2j, 2j+1 of one output's weight row), each
+ * block of 16 outputs one stream of 64-byte loads, and each row's pair product takes its x word by broadcast. The
+ * sums are fp32 pair products in order of j (no rounding to bf16). N % 16 == 0, K % 2 == 0. */
+#ifdef __AVX512BF16__
+int small_linear_available(void) { return 1; }
+
+void small_linear_pack(const uint16_t *w, int64_t N, int64_t K, uint32_t *out, int nt) {
+    const int64_t kh = K / 2;
+    PARALLEL_FOR(nb, N / 16, nt) {
+        for (int64_t j = 0; j < kh; j++)
+            for (int64_t c = 0; c < 16; c++) {
+                const uint16_t *row = w + (nb * 16 + c) * K;
+                out[(nb * kh + j) * 16 + c] = (uint32_t)row[2 * j] | ((uint32_t)row[2 * j + 1] << 16);
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void small_linear_block(const uint32_t *wp, const uint32_t *const *xw,
+                                                                     int64_t kh, float *out, int64_t ldo, const int M) {
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kh; j++) {
+        const __m512i w = _mm512_loadu_si512(wp + j * 16);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m] = dp(acc[m], _mm512_set1_epi32((int)xw[m][j]), w);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * ldo, acc[m]);
+}
+
+#define SMALL_LINEAR_CASE(MM)                                                                                       \
+    case MM:                                                                                                        \
+        small_linear_block(wp, xw, kh, o, N, MM);                                                                   \
+        break;
+
+void small_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, const uint32_t *packed, int64_t N, int64_t K,
+                       float *out, int nt) {
+    const int64_t kh = K / 2;
+    const uint32_t *xw[8];
+    for (int64_t m = 0; m < M && m < 8; m++) xw[m] = (const uint32_t *)(x + m * x_stride);
+    PARALLEL_FOR(nb, N / 16, nt) {
+        const uint32_t *wp = packed + nb * kh * 16;
+        float *o = out + nb * 16;
+        switch (M) {
+            SMALL_LINEAR_CASE(1)
+            SMALL_LINEAR_CASE(2)
+            SMALL_LINEAR_CASE(3)
+            SMALL_LINEAR_CASE(4)
+            SMALL_LINEAR_CASE(5)
+            SMALL_LINEAR_CASE(6)
+            SMALL_LINEAR_CASE(7)
+            SMALL_LINEAR_CASE(8)
+        }
+    }
+}
+#else
+int small_linear_available(void) { return 0; }
+void small_linear_pack(const uint16_t *w, int64_t N, int64_t K, uint32_t *out, int nt) {}
+void small_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, const uint32_t *packed, int64_t N, int64_t K,
+                       float *out, int nt) {}
+#endif

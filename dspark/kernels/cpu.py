@@ -109,6 +109,10 @@ def lib() -> ctypes.CDLL | None:
     handle.prefill_attention_available.argtypes, handle.prefill_attention_available.restype = [], ctypes.c_int
     handle.prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, ctypes.c_int]
     handle.prefill_attention_bf16.restype = ctypes.c_int
+    handle.small_linear_available.argtypes, handle.small_linear_available.restype = [], ctypes.c_int
+    handle.small_linear_pack.argtypes, handle.small_linear_pack.restype = [_P, _I, _I, _P, ctypes.c_int], None
+    handle.small_linear_bf16.argtypes = [_P, _I, _I, _P, _I, _I, _P, ctypes.c_int]
+    handle.small_linear_bf16.restype = None
     return handle
 
 
@@ -301,4 +305,43 @@ def markov_argmax(base: torch.Tensor, e: torch.Tensor, w2t: torch.Tensor) -> tor
         base.data_ptr(), _rows(base), w2t.data_ptr(), e.data_ptr(), r, rank, v, out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+SMALL_LINEAR_ROWS = 8  # small_linear's rows per pass over the weight
+
+
+def small_linear_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 weight [N, K] in small_linear's layout, or None where the kernel cannot take it (no AVX512-BF16, not
+    bf16, N % 16 or K % 2): then use another GEMM."""
+    handle = lib() if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" else None
+    n, k = weight.shape
+    if handle is None or not handle.small_linear_available() or n % 16 or k % 2:
+        return None
+    w = weight.detach().contiguous()
+    packed = torch.empty(n * k // 2, dtype=torch.int32)
+    handle.small_linear_pack(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    return packed.view(n // 16, k // 2, 16)
+
+
+def small_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 (rows contiguous, any row stride) through the weight small_linear_pack packed -> [M, N] fp32
+    (not rounded to bf16). Reads the weight once per SMALL_LINEAR_ROWS rows: for a few rows through a large weight."""
+    nb, kh, _ = packed.shape
+    m, k = x.shape
+    assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and k == 2 * kh
+    out = torch.empty(m, nb * 16, dtype=torch.float32)
+    fn = lib().small_linear_bf16  # type: ignore[union-attr]
+    for r in range(0, m, SMALL_LINEAR_ROWS):
+        rows = min(SMALL_LINEAR_ROWS, m - r)
+        fn(
+            x[r].data_ptr(),
+            x.stride(0),
+            rows,
+            packed.data_ptr(),
+            nb * 16,
+            k,
+            out[r].data_ptr(),
+            torch.get_num_threads(),
+        )
     return out

@@ -346,6 +346,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.lm_head_packed: torch.Tensor | None = None  # as Attention.qkv_packed
+        self.lm_head_small: torch.Tensor | None = None  # draft_logits' packed copy, made at its first call
 
     def fuse_weights(self) -> CausalLM:
         """One GEMM for q/k/v and one for gate/up in every layer on the fused (CUDA) path; state_dict unchanged."""
@@ -391,6 +392,17 @@ class CausalLM(nn.Module):
         if self.lm_head_packed is not None and not invariant and not torch.is_grad_enabled():
             return cpu_gemm.linear(hidden, self.lm_head_packed, None).float()
         return linear(hidden, self.lm_head.weight, None, self.invariant if invariant is None else invariant).float()
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] fp32: a drafter's logits through this lm_head. Never the batch-invariant GEMM
+        (drafts change no greedy output, only how many are accepted). On the fast CPU path in bf16, a block's few
+        rows (n <= 8) go through small_linear, which reads the weight once for all of them; its sums stay fp32."""
+        if self.lm_head_packed is not None and hidden.shape[0] <= cpu_kernels.SMALL_LINEAR_ROWS:
+            if self.lm_head_small is None and hidden.dtype == torch.bfloat16:
+                self.lm_head_small = cpu_kernels.small_linear_pack(self.lm_head.weight)  # a copy: ~57 MB by default
+            if self.lm_head_small is not None and cpu_kernels.supports(hidden):
+                return cpu_kernels.small_linear(hidden, self.lm_head_small)
+        return self.compute_logits(hidden, invariant=False)
 
 
 def use_fast_cpu_path(model: nn.Module) -> None:

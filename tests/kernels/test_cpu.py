@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels import cpu
-from dspark.models.llama import RMSNorm, Rotary, apply_rotary
+from dspark.models.llama import RMSNorm, Rotary, apply_rotary, use_fast_cpu_path
 
 pytestmark = pytest.mark.skipif(cpu.lib() is None, reason="no C compiler: the kernels cannot be built here")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -285,6 +285,60 @@ def test_prefill_attention_takes_only_what_it_can() -> None:
     assert not cpu.prefill_supported(torch.empty(3, 2, 64))  # fp32
     with torch.enable_grad():
         assert not cpu.prefill_supported(torch.empty(3, 2, 64, dtype=torch.bfloat16))
+
+
+def _small_linear_kernel() -> bool:
+    return cpu.small_linear_pack(torch.zeros(16, 2, dtype=torch.bfloat16)) is not None
+
+
+@pytest.mark.skipif(not _small_linear_kernel(), reason="no AVX512-BF16 small_linear kernel on this CPU")
+@pytest.mark.parametrize(("n", "k"), [(16, 2), (48, 576), (4096, 130)])
+def test_small_linear_against_fp32(n: int, k: int) -> None:
+    """A few bf16 rows through a packed bf16 weight: fp32 sums of the same bf16 products as an fp32 GEMM (within fp32
+    rounding of the sum order), for 1 to 8 rows in one pass and more in several; x a strided view of a wider output.
+    A row's result does not depend on how many rows came with it."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    packed = cpu.small_linear_pack(w)
+    assert packed is not None
+    wide = torch.randn(19, k + 6, generator=g).to(torch.bfloat16)
+    alone = [cpu.small_linear(wide[i : i + 1, :k], packed) for i in range(19)]
+    for m in (1, 2, 3, 5, 7, 8, 11, 19):
+        x = wide[:m, :k]
+        out = cpu.small_linear(x, packed)
+        assert out.dtype == torch.float32 and out.shape == (m, n)
+        expected = x.double() @ w.double().t()
+        torch.testing.assert_close(out.double(), expected, atol=1e-4 * k**0.5, rtol=1e-5)
+        assert all(torch.equal(out[i], alone[i][0]) for i in range(m)), m
+
+
+def test_small_linear_takes_only_what_it_can() -> None:
+    """bf16 weights on CPU with 16 | N and 2 | K; anything else is None (the caller keeps its GEMM)."""
+    if not _small_linear_kernel():
+        pytest.skip("no AVX512-BF16 small_linear kernel on this CPU")
+    assert cpu.small_linear_pack(torch.zeros(32, 8, dtype=torch.bfloat16)) is not None
+    assert cpu.small_linear_pack(torch.zeros(32, 8)) is None  # fp32
+    assert cpu.small_linear_pack(torch.zeros(24, 8, dtype=torch.bfloat16)) is None
+    assert cpu.small_linear_pack(torch.zeros(32, 7, dtype=torch.bfloat16)) is None
+
+
+@pytest.mark.skipif(not _small_linear_kernel(), reason="no AVX512-BF16 small_linear kernel on this CPU")
+def test_draft_logits_take_small_linear_on_the_fast_bf16_path(tiny_model_dirs: dict[str, Path]) -> None:
+    """CausalLM.draft_logits: a block's rows (<= 8) through small_linear on the fast bf16 CPU path, within bf16 of the
+    target's own logits; more rows, or the batch-invariant path, keep compute_logits."""
+    from dspark.models.loader import load_model
+
+    model = load_model(tiny_model_dirs["llama"], torch.bfloat16, torch.device("cpu"))
+    h = torch.randn(12, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model.compute_logits(h, invariant=False)
+        assert model.lm_head_small is None and torch.equal(model.draft_logits(h[:7]), reference[:7])  # not packed
+        use_fast_cpu_path(model)
+        few = model.draft_logits(h[:7])
+        assert model.lm_head_small is not None
+        assert torch.equal(few, cpu.small_linear(h[:7], model.lm_head_small))
+        torch.testing.assert_close(few, reference[:7], atol=0.05, rtol=0.02)
+        assert torch.equal(model.draft_logits(h), model.compute_logits(h, invariant=False))
 
 
 def test_unbuildable_kernels_fall_back(

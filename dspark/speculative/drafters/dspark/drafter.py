@@ -205,8 +205,7 @@ class DSparkDrafter:
         if r_pad > num_reqs:
             h = torch.cat([h, h.new_zeros(r_pad - num_reqs, k, h.shape[-1])])
             anchor_ids = torch.cat([anchor_ids, anchor_ids.new_zeros(r_pad - num_reqs)])
-        # NOTE: never the batch-invariant GEMM: drafts change no greedy output, only how many are accepted.
-        base = self.target.compute_logits(h.reshape(r_pad * k, -1), invariant=False).view(r_pad, k, -1)
+        base = self.target.draft_logits(h.reshape(r_pad * k, -1)).view(r_pad, k, -1)
         model = self.model
         drafts = sample_block_with(base, h, anchor_ids, model.markov_head, model.confidence_head, temps, greedy, u_all)
         confidences = None
