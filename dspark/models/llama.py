@@ -37,7 +37,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused_ops.enabled(x) and x.dim() in (2, 3):
             return fused_ops.rms_norm(x, self.weight, self.eps)
-        if self.cpu_fused and x.dim() == 2 and x.dtype == self.weight.dtype and cpu_kernels.supports(x):
+        if self.cpu_fused and x.dim() in (2, 3) and x.dtype == self.weight.dtype and cpu_kernels.supports(x):
+            if x.dim() == 3:  # per-head q/k norms: heads as rows (a copy only where x is a strided view)
+                return cpu_kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
             return cpu_kernels.rms_norm(x, self.weight, self.eps)
         # NOTE: normalise in fp32 and cast back before the weight, as the reference implementation does.
         xf = x.float()
@@ -161,8 +163,13 @@ class Attention(nn.Module):
         qkv = cpu_gemm.linear(x, self.qkv_packed, self.qkv_bias)
         v = qkv[:, nq + nkv :].view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = apply_rotary(self.q_norm(qkv[:, :nq].view(n, self.num_heads, self.head_dim)), rope)
-            k = apply_rotary(self.k_norm(qkv[:, nq : nq + nkv].view(n, self.num_kv_heads, self.head_dim)), rope)
+            q = self.q_norm(qkv[:, :nq].view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, nq : nq + nkv].view(n, self.num_kv_heads, self.head_dim))
+            if self.cpu_fused and cpu_kernels.supports(q):
+                for x in (q, k):
+                    cpu_kernels.rotary_(x, *rope)  # in place: the norms' outputs are new, contiguous tensors
+            else:
+                q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         elif self.cpu_fused and cpu_kernels.supports(qkv):
             qk = qkv[:, : nq + nkv].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
             cpu_kernels.rotary_(qk, *rope)  # in place: the GEMM's output is this step's own

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -28,7 +29,7 @@ from dspark import LLM, ConfigError, ModelLoadError, SamplingParams
 from dspark.attention.base import AttentionContext, AttentionMetadata, KVCache, slots_for
 from dspark.attention.torch_ref import TorchAttention
 from dspark.core.request import Request
-from dspark.models.llama import CausalLM
+from dspark.models.llama import CausalLM, use_fast_cpu_path
 from dspark.models.loader import load_config, load_model
 from dspark.sample.random import inverse_cdf, uniform
 from dspark.speculative.drafters.base import Proposal
@@ -567,6 +568,29 @@ def test_deferred_context_rows_are_written_before_anything_reads_them(
     assert torch.allclose(a.confidences, b.confidences, atol=1e-6)
     for ca, cb in zip(eager.caches, deferred.caches, strict=True):
         assert torch.allclose(ca.key, cb.key, atol=1e-5) and torch.allclose(ca.value, cb.value, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["learned_mask", "mask_token"])
+def test_the_fast_cpu_path_drafts_as_the_reference_path(
+    targets: dict[str, CausalLM], contexts: dict[str, Context], variant: str
+) -> None:
+    """use_fast_cpu_path on the drafter (packed fc and context keys/values, C norms and RoPE, the Markov argmax): the
+    same context in the cache and the same drafts, to fp32 rounding of a different summation order."""
+    target, ctx = targets["qwen3"], contexts["qwen3"]
+    model = _drafter_model(target, variant)
+    fast_model = copy.deepcopy(model)
+    use_fast_cpu_path(fast_model)
+    assert fast_model.context_kv_packed is not None and fast_model.fc_packed is not None
+    for sample in (False, True):
+        ref, requests = _drafter(model, target, ctx, sample)
+        fast, _ = _drafter(fast_model, target, ctx, sample)
+        for a, b in zip(ref.caches, fast.caches, strict=True):
+            torch.testing.assert_close(a.key, b.key, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.value, b.value, atol=1e-5, rtol=1e-5)
+        pa, pb = ref.propose(requests), fast.propose(requests)
+        assert pa.token_ids == pb.token_ids
+        assert pa.confidences is not None and pb.confidences is not None
+        torch.testing.assert_close(pa.confidences, pb.confidences, atol=1e-5, rtol=1e-5)
 
 
 def test_deferred_context_rows_are_written_once_the_limit_is_held(

@@ -16,7 +16,8 @@ from torch import nn
 
 from dspark.attention.base import AttentionContext, KVCache
 from dspark.attention.torch_ref import write_kv
-from dspark.models import fused_ops
+from dspark.kernels import cpu as cpu_kernels
+from dspark.models import cpu_gemm, fused_ops
 from dspark.models.llama import DecoderLayer, RMSNorm, Rotary, apply_rotary
 from dspark.speculative.drafters.dspark.confidence import ConfidenceHead
 from dspark.speculative.drafters.dspark.config import DSparkConfig
@@ -39,6 +40,8 @@ class DSparkModel(nn.Module):
         # A block reaches K-1 positions past the last token the target may see.
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings + cfg.block_size)
         self.context_kv_weight: torch.Tensor | None = None  # fuse_context_weights
+        self.fc_packed: torch.Tensor | None = None  # pack_for_cpu
+        self.context_kv_packed: torch.Tensor | None = None
 
     def fuse_context_weights(self) -> None:
         """One GEMM for every draft layer's context keys and values (the CUDA path of write_context).
@@ -53,9 +56,20 @@ class DSparkModel(nn.Module):
                 [w for layer in self.layers for w in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight)]
             ).contiguous()
 
+    def pack_for_cpu(self) -> None:
+        """The fast CPU path (models.llama.use_fast_cpu_path): fc and every layer's context keys and values as packed
+        GEMMs (cpu_gemm), k_norm and RoPE through the C kernels. The context write then takes ~10 ops, not ~20."""
+        self.fuse_context_weights()
+        assert self.context_kv_weight is not None
+        self.fc_packed = cpu_gemm.pack(self.fc.weight)
+        self.context_kv_packed = cpu_gemm.pack(self.context_kv_weight)
+
     def context_features(self, taps: torch.Tensor) -> torch.Tensor:
         """[n, n_taps * hidden] -> [n, hidden]."""
-        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        taps = taps.to(self.fc.weight.dtype)
+        if self.fc_packed is not None and not torch.is_grad_enabled():
+            return self.hidden_norm(cpu_gemm.linear(taps, self.fc_packed, None))
+        return self.hidden_norm(self.fc(taps))
 
     def write_context(
         self,
@@ -73,6 +87,9 @@ class DSparkModel(nn.Module):
         rope = self.rotary(positions)
         if self.context_kv_weight is not None and fused_ops.enabled(features):
             self._write_context_fused(features, n, rope, slots, caches)
+            return
+        if self.context_kv_packed is not None and not torch.is_grad_enabled() and not skip_padding:
+            self._write_context_packed(features, n, rope, slots, caches)
             return
         for layer, cache in zip(self.layers, caches, strict=True):
             attn = layer.self_attn
@@ -107,6 +124,30 @@ class DSparkModel(nn.Module):
             v = kv[:, (2 * i + 1) * width : (2 * i + 2) * width].view(n, attn.num_kv_heads, attn.head_dim)
             fused_ops.rotary_k(k, *rope, (attn.k_norm.weight, attn.k_norm.eps))
             write_kv_triton(cache.key, cache.value, k, v, slots)
+
+    def _write_context_packed(
+        self,
+        features: torch.Tensor,
+        n: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+        caches: list[KVCache],
+    ) -> None:
+        """write_context on the fast CPU path: one packed GEMM for all layers' keys and values; per layer k_norm (C,
+        heads as rows) and RoPE in place on its output, then the write."""
+        assert self.context_kv_packed is not None
+        kv = cpu_gemm.linear(features, self.context_kv_packed, None)[:n]
+        attn0 = self.layers[0].self_attn
+        width = attn0.num_kv_heads * attn0.head_dim
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            attn = layer.self_attn
+            k = attn.k_norm(kv[:, 2 * i * width : (2 * i + 1) * width].reshape(n, attn.num_kv_heads, attn.head_dim))
+            v = kv[:, (2 * i + 1) * width : (2 * i + 2) * width].view(n, attn.num_kv_heads, attn.head_dim)
+            if attn.cpu_fused and cpu_kernels.supports(k) and k.is_contiguous():
+                cpu_kernels.rotary_(k, *rope)  # in place: the norm's output is a new tensor
+            else:
+                k = apply_rotary(k, rope)
+            write_kv(cache, k, v, slots)
 
     def mask_input(self, embed: nn.Embedding) -> torch.Tensor:
         """[hidden]: the input of a block's masked slots."""
