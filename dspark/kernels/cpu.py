@@ -62,7 +62,7 @@ _SIGNATURES = {
         ctypes.c_int,
     ],
     "argmax": [_P, _I, _I, _I, _P, ctypes.c_int],
-    "markov_argmax": [_P, _I, _P, _P, _I, _I, _I, _P, ctypes.c_int],
+    "markov_block": [_P, _P, _I, _P, _P, _P, _F, _P, _I, _I, _I, _I, _P, _P, ctypes.c_int],
 }
 
 
@@ -291,21 +291,35 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def markov_argmax(base: torch.Tensor, e: torch.Tensor, w2t: torch.Tensor) -> torch.Tensor:
-    """(base + (e @ w2t).to(e.dtype)).argmax(-1) in one pass: a DSpark block's greedy drafts at one position with the
-    Markov correction. base: [R, V] fp32, rows contiguous (any row stride); e: [R, rank]; w2t: [rank, V] contiguous,
-    e's dtype; rank <= 256. -> [R] int64."""
-    r, v = base.shape
-    rank = w2t.shape[0]
-    assert base.dtype == torch.float32 and e.dtype == w2t.dtype and w2t.is_contiguous() and w2t.shape[1] == v
-    assert rank <= 256 and e.shape == (r, rank)
-    e = e.contiguous()
-    out = torch.empty(r, dtype=torch.int64)
-    _fn("markov_argmax", e.dtype)(
-        base.data_ptr(), _rows(base), w2t.data_ptr(), e.data_ptr(), r, rank, v, out.data_ptr(),
+def markov_block(
+    base: torch.Tensor,  # [R, k, V] fp32
+    h: torch.Tensor,  # [R, k, hidden]
+    w1: torch.Tensor,  # [V, rank]: the Markov head's embedding
+    w2t: torch.Tensor,  # [rank, V]
+    anchors: torch.Tensor,  # [R] int64
+    conf_weight: torch.Tensor | None,  # [hidden + rank]: the confidence head's projection, or None
+    conf_bias: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A DSpark block's greedy drafts, left to right, with the Markov correction (each position from the previous draft,
+    the anchor first) and the confidence logits: ([R, k] int64, [R, k] fp32 or None), in one call
+    (markov_block in cpu.c). rank <= 256; every weight in h's dtype."""
+    r, k, v = base.shape
+    rank, hidden = w2t.shape[0], h.shape[2]
+    assert base.dtype == torch.float32 and h.dtype == w1.dtype == w2t.dtype and rank <= 256
+    assert w1.shape == (v, rank) and w2t.shape[1] == v and anchors.dtype == torch.int64
+    base, h, w1, w2t, anchors = (t.contiguous() for t in (base, h, w1, w2t, anchors))
+    cw = None
+    if conf_weight is not None:
+        assert conf_weight.dtype == h.dtype and conf_weight.numel() == hidden + rank
+        cw = conf_weight.contiguous()
+    tokens = torch.empty(r, k, dtype=torch.int64)
+    conf = torch.empty(r, k, dtype=torch.float32) if cw is not None else None
+    _fn("markov_block", h.dtype)(
+        base.data_ptr(), h.data_ptr(), hidden, w1.data_ptr(), w2t.data_ptr(), 0 if cw is None else cw.data_ptr(),
+        conf_bias, anchors.data_ptr(), r, k, rank, v, tokens.data_ptr(), 0 if conf is None else conf.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
-    return out
+    return tokens, conf
 
 
 SMALL_LINEAR_ROWS = 8  # small_linear's rows per pass over the weight

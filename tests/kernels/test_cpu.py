@@ -72,53 +72,86 @@ def test_argmax_first_of_ties_and_nan(dtype: torch.dtype) -> None:
     assert cpu.argmax(x)[1].item() == 7
 
 
+def _markov_reference(
+    base: torch.Tensor,
+    h: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    cw: torch.Tensor,
+    cb: float,
+    tokens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position, from the previous token the kernel chose (the anchor first, in column 0 of tokens): the corrected
+    logits [R, V], each row's best value, and the confidence logits in fp64 sums."""
+    e = w1[tokens]  # [R, rank]
+    logits = base + F.linear(e, w2).float()
+    conf = (torch.cat([h, e], dim=-1).double() @ cw.double()) + cb
+    return logits, logits.max(dim=-1).values, conf
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_markov_argmax_is_the_corrected_argmax(dtype: torch.dtype) -> None:
-    """A DSpark greedy draft with its Markov correction, (base + (e @ W2^T).to(dtype)).argmax(-1), in one pass: rows
-    of a strided [R, k, V] block, rank 32, a vocabulary the threads split unevenly; ties go to the first index and a
-    NaN wins, as in torch.argmax."""
+def test_markov_block_drafts_left_to_right_with_the_correction(dtype: torch.dtype) -> None:
+    """A DSpark block's greedy drafts in one call: at each position the argmax of base + (W1[prev] @ W2^T).to(dtype),
+    prev the previous draft (the anchor first), and the confidence logit of [h; W1[prev]]; rank 32, a vocabulary the
+    threads split unevenly. fp32 takes exactly torch's argmax; bf16 rounds the correction after a sum in another
+    order, so a near-tie may go either way."""
     g = torch.Generator().manual_seed(9)
-    vocab, rank = 49157, 32
-    block = torch.randn(3, 7, vocab, generator=g) * 3
+    vocab, rank, hidden, k = 49157, 32, 24, 7
+    base = torch.randn(3, k, vocab, generator=g) * 3
+    h = torch.randn(3, k, hidden, generator=g).to(dtype)
+    w1 = torch.randn(vocab, rank, generator=g).to(dtype)
     w2 = (torch.randn(vocab, rank, generator=g) / 4).to(dtype)
-    e = torch.randn(3, rank, generator=g).to(dtype)
-    w2t = w2.t().contiguous()
-    for j in range(7):
-        base = block[:, j]  # rows at stride 7 * V
-        got = cpu.markov_argmax(base, e, w2t)
-        logits = base + F.linear(e, w2).float()
-        best = logits.max(dim=-1).values
-        chosen = logits.gather(1, got[:, None])[:, 0]
+    cw = torch.randn(hidden + rank, generator=g).to(dtype)
+    anchors = torch.tensor([5, 49000, 17])
+    tokens, conf = cpu.markov_block(base, h, w1, w2.t().contiguous(), anchors, cw, 0.25)
+    assert tokens.shape == (3, k) and conf is not None and conf.shape == (3, k)
+    prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
+    for j in range(k):
+        logits, best, expected_conf = _markov_reference(base[:, j], h[:, j], w1, w2, cw, 0.25, prev[:, j])
+        chosen = logits.gather(1, tokens[:, j, None])[:, 0]
         if dtype == torch.float32:
-            assert torch.equal(got, logits.argmax(dim=-1))
-        else:  # the correction rounds to bf16 after a sum in another order: a near-tie may go either way
-            assert torch.all(chosen >= best - 0.02 * best.abs())
-    base = torch.zeros(2, vocab)
-    zero = torch.zeros(2, rank, dtype=dtype)
-    base[0, 40000] = base[0, 30] = 5.0  # a tie across the threads' halves: the first
-    base[1, 45000] = float("nan")
-    base[1, 3] = 100.0
-    assert cpu.markov_argmax(base, zero, w2t).tolist() == [30, 45000]
+            assert torch.equal(tokens[:, j], logits.argmax(dim=-1)), j
+        else:
+            assert torch.all(chosen >= best - 0.02 * best.abs()), j
+        tol = 1e-4 if dtype == torch.float32 else 0.05
+        torch.testing.assert_close(conf[:, j].double(), expected_conf, atol=tol, rtol=tol)
+    no_head = cpu.markov_block(base, h, w1, w2.t().contiguous(), anchors, None, 0.0)
+    assert torch.equal(no_head[0], tokens) and no_head[1] is None
+
+
+def test_markov_block_ties_go_to_the_first_and_a_nan_wins() -> None:
+    vocab, rank = 49157, 32
+    base = torch.zeros(2, 1, vocab)
+    base[0, 0, 40000] = base[0, 0, 30] = 5.0  # a tie across the threads' halves: the first
+    base[1, 0, 45000] = float("nan")
+    base[1, 0, 3] = 100.0
+    w1, w2t, h = torch.zeros(vocab, rank), torch.zeros(rank, vocab), torch.zeros(2, 1, 4)
+    tokens, _ = cpu.markov_block(base, h, w1, w2t, torch.tensor([0, 1]), None, 0.0)
+    assert tokens[:, 0].tolist() == [30, 45000]
 
 
 def test_greedy_block_drafts_through_the_kernel_equal_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """sample_block_with on the fast CPU path (MarkovHead.pack_for_cpu) drafts the same greedy tokens, position by
-    position, as the GEMM + add + argmax it replaces (fp32), and takes the kernel at every position."""
+    """sample_block_with on the fast CPU path (MarkovHead.pack_for_cpu) drafts the same greedy tokens and confidence
+    logits as the per-position GEMM + add + argmax and confidence head it replaces (fp32), in one kernel call."""
+    from dspark.speculative.drafters.dspark.confidence import ConfidenceHead
     from dspark.speculative.drafters.dspark.markov import MarkovHead, sample_block_with
 
     g = torch.Generator().manual_seed(10)
-    head = MarkovHead(1000, 16)
-    for p in head.parameters():
+    head, confidence = MarkovHead(1000, 16), ConfidenceHead(8, 16)
+    for p in [*head.parameters(), *confidence.parameters()]:
         p.data = torch.randn(p.shape, generator=g)
     base, h = torch.randn(3, 7, 1000, generator=g) * 2, torch.randn(3, 7, 8, generator=g)
     anchors, temps, greedy = torch.tensor([1, 2, 3]), torch.ones(3), torch.ones(3, dtype=torch.bool)
-    plain = sample_block_with(base, h, anchors, head, None, temps, greedy, None).tokens
-    head.pack_for_cpu()
-    calls = []
-    real = cpu.markov_argmax
-    monkeypatch.setattr(cpu, "markov_argmax", lambda *a: calls.append(1) or real(*a))
-    fused = sample_block_with(base, h, anchors, head, None, temps, greedy, None).tokens
-    assert len(calls) == 7 and torch.equal(fused, plain)
+    with torch.inference_mode():
+        plain = sample_block_with(base, h, anchors, head, confidence, temps, greedy, None)
+        head.pack_for_cpu()
+        calls = []
+        real = cpu.markov_block
+        monkeypatch.setattr(cpu, "markov_block", lambda *a: calls.append(1) or real(*a))
+        fused = sample_block_with(base, h, anchors, head, confidence, temps, greedy, None)
+    assert len(calls) == 1 and torch.equal(fused.tokens, plain.tokens)
+    assert fused.confidence_logits is not None and plain.confidence_logits is not None
+    torch.testing.assert_close(fused.confidence_logits, plain.confidence_logits, atol=1e-5, rtol=1e-5)
 
 
 def _paged(num_reqs: int, lens: list[int], hkv: int, d: int, bs: int, dtype: torch.dtype, g: torch.Generator):

@@ -29,7 +29,7 @@ class MarkovHead(nn.Module):
         self.w2t: torch.Tensor | None = None  # [r, V]: the fast CPU path's greedy drafts (pack_for_cpu)
 
     def pack_for_cpu(self) -> None:
-        """The fast CPU path (models.llama.use_fast_cpu_path): greedy drafts through cpu_kernels.markov_argmax, which
+        """The fast CPU path (models.llama.use_fast_cpu_path): greedy blocks through cpu_kernels.markov_block, which
         reads W2 transposed. At batch 1 each position's GEMM, add and argmax took ~0.3 ms on the 2-vCPU machine, 2 ms
         of a ~40 ms drafting step. A copy: the parameter stays what training and state_dict read."""
         w = self.markov_w2.weight.detach()
@@ -107,19 +107,18 @@ def sample_block_with(
     """sample_block on device inputs only: no host value is read, so a CUDA graph can capture it."""
     num_reqs, k = temps.shape[0], base_logits.shape[1]
     sample = u_all is not None
+    if u_all is None and head is not None and head.w2t is not None and cpu_kernels.supports(base_logits):
+        # Greedy on the fast CPU path: every position's correction, argmax and confidence in one C call.
+        w = None if confidence is None else confidence.proj.weight.view(-1)
+        bias = confidence.proj.bias if confidence is not None else None
+        tokens_, conf_ = cpu_kernels.markov_block(
+            base_logits[:num_reqs], h[:num_reqs], head.markov_w1.weight, head.w2t, anchors[:num_reqs], w,
+            0.0 if bias is None else float(bias),
+        )  # fmt: skip
+        return BlockDrafts(tokens=tokens_, probs=None, confidence_logits=conf_)
     prev = anchors
     tokens, probs, conf = [], [], []
-    fused = u_all is None and head is not None and head.w2t is not None and cpu_kernels.supports(base_logits)
     for j in range(k):
-        if fused:  # greedy on the fast CPU path: correction, add and argmax in one pass
-            assert head is not None and head.w2t is not None
-            e = head.markov_w1(prev)
-            if confidence is not None:
-                conf.append(confidence.logit(h[:, j], e)[:num_reqs])
-            x = cpu_kernels.markov_argmax(base_logits[:num_reqs, j], e[:num_reqs], head.w2t)
-            tokens.append(x)
-            prev = torch.cat([x, prev[num_reqs:]])
-            continue
         if head is not None:
             e, correction = head(prev)
             logits = base_logits[:, j] + correction  # [R_pad, vocab]
