@@ -2,9 +2,10 @@
 
 Dummy steps run through the real runner: drafting for R requests (draft_ms), then a verify step of n tokens
 (verify_ms): ceil(n / (K + 1)) requests, each its last token plus up to K drafts, over a fixed synthetic context,
-with the same sampling, verification and drafter-context work as a real step. Every grid point is timed `runs` times
-after a warm-up, and the median kept. The dummy requests borrow the first blocks of the (still empty) KV cache: what
-they write there is garbage no real request ever reads, as every block is written before it is read.
+with the same sampling, verification and drafter-context work as a real step. After a warm-up, rounds time every
+grid point once in turn (at least `runs` rounds), and each point's median is kept. The dummy requests borrow the
+first blocks of the (still empty) KV cache: what they write there is garbage no real request ever reads, as every
+block is written before it is read.
 
 The result is saved as JSON under $DSPARK_CACHE/cost_models/, keyed by everything that changes the curve (model,
 drafter, device, dtype, K, grid, threads), and reused on the next start.
@@ -38,6 +39,8 @@ CONTEXT_TOKENS = 128  # the synthetic context every dummy request has (the curve
 CPU_MAX_TOKENS = 256
 CPU_MAX_REQUESTS = 64
 CPU_RUNS = 3
+MIN_PROFILE_S = 1.5  # rounds go on (up to MAX_ROUNDS_FACTOR x runs) while they took less than this in all
+MAX_ROUNDS_FACTOR = 5
 
 
 def token_grid(max_tokens: int, capture_sizes: list[int] | None = None, coarse: bool = False) -> list[int]:
@@ -98,27 +101,21 @@ class CostProfiler:
             reqs.append(req)
         return reqs
 
-    def _time(self, fn: Callable[[], object]) -> float:
-        """Median milliseconds of fn over `runs` runs after one warm-up."""
+    def _once(self, fn: Callable[[], object]) -> float:
+        """Milliseconds of one run of fn."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
         fn()
-        times = []
-        for _ in range(self.runs):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            fn()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start) * 1e3
 
-    def draft_ms(self, num_reqs: int) -> float:
+    def _draft_step(self, num_reqs: int) -> tuple[Callable[[], object], list[Request]]:
         reqs = self._requests(num_reqs)
-        ms = self._time(lambda: self.runner.propose(reqs))
-        self._release(reqs)
-        return ms
+        return (lambda: self.runner.propose(reqs)), reqs
 
-    def verify_ms(self, num_tokens: int) -> float:
+    def _verify_step(self, num_tokens: int) -> tuple[Callable[[], object], list[Request]]:
         num_reqs = math.ceil(num_tokens / (self.k + 1))
         reqs = self._requests(num_reqs)
         drafts = [min(self.k, num_tokens - r * (self.k + 1) - 1) for r in range(num_reqs)]
@@ -131,9 +128,7 @@ class CostProfiler:
             )
             self.runner.execute(sched)
 
-        ms = self._time(step)
-        self._release(reqs)
-        return ms
+        return step, reqs
 
     def _release(self, reqs: list[Request]) -> None:
         for req in reqs:
@@ -142,10 +137,28 @@ class CostProfiler:
     def profile(
         self, token_sizes: list[int], request_sizes: list[int], capture_limit: int, key: dict[str, Any]
     ) -> CostModel:
-        verify = {n: self.verify_ms(n) for n in track(token_sizes, "profiling verification steps", unit="size")}
+        """Every grid point's median over rounds that take each point once in turn: a burst of load from elsewhere
+        on a shared machine lands on one run of every size, not on every run of one (timed one size after another,
+        one noisy burst once made 4 drafts look 24% dearer than 1 on CPU, and n-gram then never drafted). At least
+        `runs` rounds; more while they take under MIN_PROFILE_S in all (cheap grids: small CPU steps)."""
+        steps = [("verify", n, *self._verify_step(n)) for n in token_sizes]
+        if self.runner.drafter is not None:
+            steps += [("draft", r, *self._draft_step(r)) for r in request_sizes]
+        for _, _, fn, _ in steps:
+            fn()  # warm-up
+        times: dict[tuple[str, int], list[float]] = {(kind, n): [] for kind, n, _, _ in steps}
+        started = time.perf_counter()
+        for i in track(range(self.runs * MAX_ROUNDS_FACTOR), "profiling step costs", unit="round"):
+            if i >= self.runs and time.perf_counter() - started > MIN_PROFILE_S:
+                break
+            for kind, n, fn, _ in steps:
+                times[(kind, n)].append(self._once(fn))
+        for _, _, _, reqs in steps:
+            self._release(reqs)
+        verify = {n: statistics.median(times[("verify", n)]) for n in token_sizes}
         draft = {1: 0.0}
         if self.runner.drafter is not None:
-            draft = {r: self.draft_ms(r) for r in track(request_sizes, "profiling drafting", unit="size")}
+            draft = {r: statistics.median(times[("draft", r)]) for r in request_sizes}
         return CostModel.from_points(verify, draft, capture_limit, key)
 
 
@@ -178,6 +191,7 @@ def load_or_profile(
         "context_tokens": CONTEXT_TOKENS,
         "threads": torch.get_num_threads(),
         "runs": runs,
+        "rounds": f"interleaved, >= {MIN_PROFILE_S} s, <= {MAX_ROUNDS_FACTOR}x runs",  # what older caches lack
     }
     path = cost_model_path(key)
     cached = CostModel.load(path, key)
