@@ -306,7 +306,8 @@ def markov_block(
     r, k, v = base.shape
     rank, hidden = w2t.shape[0], h.shape[2]
     assert base.dtype == torch.float32 and h.dtype == w1.dtype == w2t.dtype and rank <= 256
-    assert w1.shape == (v, rank) and w2t.shape[1] == v and anchors.dtype == torch.int64
+    assert h.dtype in (torch.float32, torch.bfloat16) and w1.shape == (v, rank) and w2t.shape[1] == v
+    assert anchors.dtype == torch.int64 and bool(((anchors >= 0) & (anchors < v)).all()), "an anchor outside W1"
     base, h, w1, w2t, anchors = (t.contiguous() for t in (base, h, w1, w2t, anchors))
     cw = None
     if conf_weight is not None:

@@ -166,8 +166,8 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, :nq].view(n, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, nq : nq + nkv].view(n, self.num_kv_heads, self.head_dim))
             if self.cpu_fused and cpu_kernels.supports(q):
-                for x in (q, k):
-                    cpu_kernels.rotary_(x, *rope)  # in place: the norms' outputs are new, contiguous tensors
+                for normed in (q, k):
+                    cpu_kernels.rotary_(normed, *rope)  # in place: the norms' outputs are new, contiguous tensors
             else:
                 q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         elif self.cpu_fused and cpu_kernels.supports(qkv):
@@ -354,6 +354,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.lm_head_packed: torch.Tensor | None = None  # as Attention.qkv_packed
         self.lm_head_small: torch.Tensor | None = None  # draft_logits' packed copy, made at its first call
+        self._lm_head_small_tried = False
 
     def fuse_weights(self) -> CausalLM:
         """One GEMM for q/k/v and one for gate/up in every layer on the fused (CUDA) path; state_dict unchanged."""
@@ -405,7 +406,8 @@ class CausalLM(nn.Module):
         (drafts change no greedy output, only how many are accepted). On the fast CPU path in bf16, a block's few
         rows (n <= 8) go through small_linear, which reads the weight once for all of them; its sums stay fp32."""
         if self.lm_head_packed is not None and hidden.shape[0] <= cpu_kernels.SMALL_LINEAR_ROWS:
-            if self.lm_head_small is None and hidden.dtype == torch.bfloat16:
+            if not self._lm_head_small_tried and hidden.dtype == torch.bfloat16:
+                self._lm_head_small_tried = True  # None where the kernel cannot take it: not tried again
                 self.lm_head_small = cpu_kernels.small_linear_pack(self.lm_head.weight)  # a copy: ~57 MB by default
             if self.lm_head_small is not None and cpu_kernels.supports(hidden):
                 return cpu_kernels.small_linear(hidden, self.lm_head_small)

@@ -122,11 +122,15 @@ class CostProfiler:
         if self.runner.drafter is not None:
             self.runner.propose(reqs)  # the distributions probabilistic verification reads
 
+        flush = getattr(self.runner.drafter, "flush_context", None)
+
         def step() -> None:
             sched = SchedulerOutput(
                 [ScheduledRequest(req, 1 + n, self.context[1 : 1 + n]) for req, n in zip(reqs, drafts, strict=True)]
             )
             self.runner.execute(sched)
+            if flush is not None:  # a deferred context write is this step's cost, not the next drafting point's
+                flush()
 
         return step, reqs
 
@@ -151,8 +155,11 @@ class CostProfiler:
         for i in track(range(self.runs * MAX_ROUNDS_FACTOR), "profiling step costs", unit="round"):
             if i >= self.runs and time.perf_counter() - started > MIN_PROFILE_S:
                 break
-            for kind, n, fn, _ in steps:
+            for kind, n, fn, reqs in steps:
                 times[(kind, n)].append(self._once(fn))
+                if kind == "draft":  # its [R, k, vocab] distributions, not kept for every drafting point at once
+                    for req in reqs:
+                        self.runner.release(req.request_id, finished=False)
         for _, _, _, reqs in steps:
             self._release(reqs)
         verify = {n: statistics.median(times[("verify", n)]) for n in token_sizes}
@@ -192,6 +199,7 @@ def load_or_profile(
         "threads": torch.get_num_threads(),
         "runs": runs,
         "rounds": f"interleaved, >= {MIN_PROFILE_S} s, <= {MAX_ROUNDS_FACTOR}x runs",  # what older caches lack
+        "context_write": "in the verify step",
     }
     path = cost_model_path(key)
     cached = CostModel.load(path, key)

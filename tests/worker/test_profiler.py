@@ -21,7 +21,8 @@ class _Runner:
     def __init__(self, burst_calls: int) -> None:
         self.device = torch.device("cpu")
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=1000))
-        self.drafter = SimpleNamespace(num_lookahead_tokens=0)
+        self.flushes = 0
+        self.drafter = SimpleNamespace(num_lookahead_tokens=0, flush_context=self._flush)
         self.block_size = 16
         self.burst_calls = burst_calls
         self.warm = 0
@@ -37,6 +38,9 @@ class _Runner:
         n = sum(s.num_new_tokens for s in sched.scheduled)
         self.sizes.append(n)
         self._sleep(2.0 * n)
+
+    def _flush(self) -> None:
+        self.flushes += 1
 
     def propose(self, reqs: list[Any]) -> None:
         self._sleep(1.0)
@@ -67,6 +71,8 @@ def test_a_burst_of_load_does_not_skew_one_size(monkeypatch: pytest.MonkeyPatch)
     for n, expected in [(1, 2.0), (4, 8.0), (5, 10.0)]:
         assert model.verify.at(n) == pytest.approx(expected, abs=1.5), n
     assert model.draft_ms(1) == pytest.approx(1.0, abs=1.5)
+    # Each verify step writes its deferred drafter context inside its own timing, not the next drafting point's.
+    assert runner.flushes == len(runner.sizes)
 
 
 def test_cheap_grids_take_more_rounds(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -84,7 +84,7 @@ class DSparkDrafter:
         n = taps.shape[0]
         if n == 0:
             return
-        if self.defer_context:
+        if self.defer_context and (self._pending or n < self.DEFER_ROWS):
             # Copies: the step's tensors are not the drafter's to keep.
             self._pending.append((taps.clone(), positions.clone(), slots.clone()))
             self._pending_rows += n
@@ -103,7 +103,15 @@ class DSparkDrafter:
         if len(pending) == 1:
             self._write_context(*pending[0])
             return
-        self._write_context(*(torch.cat(parts) for parts in zip(*pending, strict=True)))
+        taps, positions, slots = (torch.cat(parts) for parts in zip(*pending, strict=True))
+        # A slot held twice (a rejected draft's row, then the accepted token's): index_copy_ may write duplicates in
+        # any order (threads split the rows), so only each slot's last row goes.
+        unique, inverse = torch.unique(slots, return_inverse=True)
+        if unique.shape[0] < slots.shape[0]:
+            order = torch.arange(slots.shape[0])
+            last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, order, "amax")
+            taps, positions, slots = taps[last], positions[last], slots[last]
+        self._write_context(taps, positions, slots)
 
     def _write_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         n = taps.shape[0]
