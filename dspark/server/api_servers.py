@@ -5,7 +5,8 @@ core makes at high concurrency; N of them share that work. The `dspark serve` pr
 
 - it binds N sockets to the one port with SO_REUSEPORT, so the kernel spreads new connections over the API servers
   evenly, and a port in use is one error line at once. The first listens at once (503 "starting" while the model
-  loads); the others listen once their engine is ready, so a client never meets a starting one after a ready one;
+  loads); the others listen once their engine is ready, so that a client that met a ready one does not meet them
+  starting (only the first, if it reads the core's Ready a moment after another was up);
 - it starts the engine core (engine/core_proc.py), connected to every API server's pair of ZeroMQ sockets, then the
   N API servers, each a ProcessEngine attached to that core (FrontSlot) under uvicorn;
 - it holds the core: on Ctrl-C or SIGTERM it asks each API server to stop (uvicorn's graceful drain: a stream still
@@ -119,7 +120,7 @@ def bind(host: str, port: int, count: int = 1) -> list[socket.socket]:
             if len(socks) == 1:
                 # The first listens at once (a client sees 503 "starting"); the others only once their engine is
                 # ready (uvicorn listens then: serve_on's listen_when_ready). SO_REUSEPORT spreads connections over
-                # listening sockets alone, so no client meets a starting API server after a ready one answered.
+                # listening sockets alone: the second and later never answer "starting".
                 sock.listen(2048)
     except OSError as e:
         for sock in socks:
