@@ -3,10 +3,8 @@
 One API server's Python (HTTP parsing, JSON, detokenization, a chunk per token per stream) tops out below what a GPU
 core makes at high concurrency; N of them share that work. The `dspark serve` process becomes the launcher:
 
-- it binds N sockets to the one port with SO_REUSEPORT, so the kernel spreads new connections over the API servers
-  evenly, and a port in use is one error line at once. The first listens at once (503 "starting" while the model
-  loads); the others listen once their engine is ready, so that a client that met a ready one does not meet them
-  starting (only the first, if it reads the core's Ready a moment after another was up);
+- it binds N listening sockets to the one port with SO_REUSEPORT, so the kernel spreads new connections over the API
+  servers evenly, and a port in use is one error line at once;
 - it starts the engine core (engine/core_proc.py), connected to every API server's pair of ZeroMQ sockets, then the
   N API servers, each a ProcessEngine attached to that core (FrontSlot) under uvicorn;
 - it holds the core: on Ctrl-C or SIGTERM it asks each API server to stop (uvicorn's graceful drain: a stream still
@@ -57,11 +55,9 @@ def serve_on(
     log_level: str,
     sock: socket.socket,
     log_prefix: str = "",
-    listen_when_ready: bool = False,
 ) -> int:
     """Serve the app of `engine` on a bound socket until stopped: 0, or 1 if the engine core failed to start.
-    log_prefix: before each of uvicorn's log lines (which of several API servers wrote it). listen_when_ready: take
-    connections only once the engine is ready (uvicorn listens on `sock` after the app's startup)."""
+    log_prefix: before each of uvicorn's log lines (which of several API servers wrote it)."""
     import uvicorn
     from uvicorn.config import LOGGING_CONFIG
 
@@ -75,14 +71,7 @@ def serve_on(
         failed = True
         server.should_exit = True
 
-    app = build_app(
-        engine,
-        names,
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        on_start_failure=start_failed,
-        start_when_ready=(lambda: server is not None and server.should_exit) if listen_when_ready else None,
-    )
+    app = build_app(engine, names, api_key=api_key, max_body_bytes=max_body_bytes, on_start_failure=start_failed)
     log_config = copy.deepcopy(LOGGING_CONFIG)
     for formatter in log_config["formatters"].values():
         formatter["fmt"] = log_prefix + formatter["fmt"]
@@ -117,11 +106,7 @@ def bind(host: str, port: int, count: int = 1) -> list[socket.socket]:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind(address)
             address = sock.getsockname()  # port 0 chose one: the others join it
-            if len(socks) == 1:
-                # The first listens at once (a client sees 503 "starting"); the others only once their engine is
-                # ready (uvicorn listens then: serve_on's listen_when_ready). SO_REUSEPORT spreads connections over
-                # listening sockets alone: the second and later never answer "starting".
-                sock.listen(2048)
+            sock.listen(2048)
     except OSError as e:
         for sock in socks:
             sock.close()
@@ -283,8 +268,7 @@ def run_front(
     launcher = os.getppid()
     threading.Thread(target=_exit_with_launcher, args=(launcher,), name="launcher-watch", daemon=True).start()
     engine = ProcessEngine(config, slot=slot)
-    prefix = f"[api server {slot.index}] "
-    code = serve_on(engine, names, api_key, max_body_bytes, log_level, sock, prefix, listen_when_ready=slot.index > 0)
+    code = serve_on(engine, names, api_key, max_body_bytes, log_level, sock, f"[api server {slot.index}] ")
     raise SystemExit(code)
 
 

@@ -45,14 +45,11 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     on_start_failure: Callable[[], None] | None = None,
-    start_when_ready: Callable[[], bool] | None = None,
 ) -> FastAPI:
     """An app serving `engine` under `served_model_names` (the first is the default): an LLMEngine in this process
     (driven by a thread) or a ProcessEngine (its core in another process). The engine starts with the app's lifespan
     and stops with it; the app owns the engine from then on. on_start_failure: called if a ProcessEngine's core fails
-    to start (`dspark serve` then exits). start_when_ready: the lifespan's startup (after which uvicorn listens) waits
-    until the ProcessEngine is ready, its start failed, or this returns True (the server is asked to stop): one of
-    several API servers takes no connection while it starts (server/api_servers.py)."""
+    to start (`dspark serve` then exits)."""
     if not served_model_names:
         raise ConfigError("served_model_name", served_model_names, "at least one name")
     async_engine = engine if isinstance(engine, ProcessEngine) else AsyncEngine(engine)
@@ -72,9 +69,6 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         watcher = asyncio.ensure_future(watch_start()) if isinstance(async_engine, ProcessEngine) else None
-        if watcher is not None and start_when_ready is not None:
-            while not watcher.done() and not start_when_ready():
-                await asyncio.wait([watcher], timeout=0.1)  # polls only while starting
         publisher = asyncio.ensure_future(server_metrics.publish_forever()) if peers is not None else None
         yield
         for task in (watcher, publisher):

@@ -8,9 +8,7 @@ import json
 import multiprocessing.connection
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -187,9 +185,9 @@ def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
 
 
 def _all_ready(url: str) -> None:
-    """_serve waits for one /health 200. The second API server listens only once its engine is ready, but the first
-    answers 503 "starting" until it has read the core's Ready, which on a loaded machine may come after the second
-    is up: wait for 20 answers of 200 in a row."""
+    """_serve waits for one /health 200, but SO_REUSEPORT hands each connection to any API server, and another may
+    still be starting (503 "starting"): wait for 20 answers of 200 in a row (a starting one among 2 is missed with
+    probability 2^-20)."""
     deadline, in_a_row = time.monotonic() + 60, 0
     while in_a_row < 20:
         assert time.monotonic() < deadline, "an API server did not become ready"
@@ -219,7 +217,6 @@ def test_api_servers_share_the_requests_and_their_metrics_and_drain_on_sigterm(t
     flags = [*FLAGS, "--log-level", "info"]
     with _serve(tiny_llama, flags, start_new_session=True, stdout=subprocess.PIPE) as (proc, url, line):
         _all_ready(url)
-        assert _listeners(int(url.rsplit(":", 1)[1])) == 2
         assert line.endswith("serving tiny through 2 API servers")
         core, fronts = _processes(proc.pid)
         answers = [_complete(url, prompt="one two three", max_tokens=4, temperature=0) for _ in range(12)]
@@ -354,84 +351,3 @@ def test_the_launcher_sees_an_api_server_that_dies_before_it_can_be_reaped(monke
     threading.Timer(0.2, fronts[1].exit, args=(-9,)).start()
     assert api_servers._supervise(core, fronts, _Control()) == 1  # type: ignore[arg-type]
     assert signals == [(101, signal.SIGTERM)] and core.exitcode == 0
-
-
-_NEVER_READY_CORE = """
-import signal
-
-import zmq
-
-
-def core(config, input_addresses, output_addresses, parent_pid):
-    # A core that loads for ever: it never says Ready, and stops only when the launcher says so.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sock = zmq.Context().socket(zmq.PULL)
-    for address in input_addresses:
-        sock.connect(address)
-    sock.recv()
-"""
-
-_LAUNCHER = """
-import sys
-
-sys.path.insert(0, sys.argv[1])
-from never_ready import core
-
-from dspark.config import EngineConfig
-from dspark.server.api_servers import bind, serve_many
-
-socks = bind("127.0.0.1", 0, 2)
-print(socks[0].getsockname()[1], flush=True)
-config = EngineConfig(model=sys.argv[2], dtype="float32", num_kv_blocks=64, max_model_len=512)
-sys.exit(serve_many(config, 2, ["tiny"], None, 1 << 20, "warning", socks, core_target=core))
-"""
-
-
-def _listeners(port: int) -> int:
-    """Listening TCP sockets on 127.0.0.1:port (a bound socket that does not listen takes no connection)."""
-    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
-    return sum(1 for row in rows if row[1] == f"0100007F:{port:04X}" and row[3] == "0A")
-
-
-def test_only_the_first_api_server_listens_until_its_engine_is_ready() -> None:
-    socks = api_servers.bind("127.0.0.1", 0, 3)
-    try:
-        listening = [s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) for s in socks]
-        assert listening == [1, 0, 0]
-        assert len({s.getsockname() for s in socks}) == 1
-    finally:
-        for s in socks:
-            s.close()
-
-
-def test_api_servers_stop_while_the_engine_is_starting(tiny_llama: Path, tmp_path: Path) -> None:
-    """SIGTERM while the core is still loading: the first API server answers 503 "starting" meanwhile, the second
-    (held from listening until its engine is ready) stops without it, and the launcher exits 0 at once."""
-    (tmp_path / "never_ready.py").write_text(_NEVER_READY_CORE)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHER, str(tmp_path), str(tiny_llama)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        answers = []
-        while len(answers) < 5:
-            assert time.monotonic() < deadline, "the first API server never answered"
-            try:
-                answers.append(_status(url)[0])
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.2)  # not listening yet
-        assert answers == [503] * 5
-        assert _listeners(port) == 1
-        os.kill(proc.pid, signal.SIGTERM)
-        stopped = time.monotonic()
-        assert proc.wait(timeout=30) == 0, proc.stderr.read() if proc.stderr else ""
-        assert time.monotonic() - stopped < 15
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
