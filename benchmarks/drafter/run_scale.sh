@@ -8,6 +8,9 @@
 #                 of BLOCKS blocks a step, checkpointed (run it again to train on: the schedule spans MAIN_STEPS);
 #   PHASE=finish: calibrate (STS with shift, T = 1, held-out prompts), then `dspark eval-drafter` at T = 0 and T = 1 on
 #                 the first 80 prompts of gsm8k, humaneval, mbpp and mt-bench of $DATA/deepspec_eval (those present).
+# PHASE may name several, run in that order in one command: PHASE="gen train finish" on a fresh machine. INIT=DIR
+# fine-tunes that drafter (e.g. dspark/assets/smollm2-135m-dspark) instead of starting from random weights; LR sets
+# the peak learning rate, PPS the prompts per pool source, PROMPT_S gen's seconds for writing prompts.
 # Each phase brings back under $OUT (8 files, 64 MiB at most): drafter-results.tar.gz.part-* (results JSON/MD/PNG,
 # logs, the held-out and self-written prompts), after train and finish the drafter as it ships (bf16,
 # ship.tar.gz.part-*), after gen the training data (sequences.npz.part-*, uint16) while under DATA_MAX_MB.
@@ -25,6 +28,7 @@ R=${RUNS:-/tmp/runs}
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python}  # here: PYTHON=.venv/bin/python
 PHASE=${PHASE:-gen}
+has() { [[ " $PHASE " == *" $1 "* ]]; }
 mkdir -p "$OUT" "$R/shards" "$R/main"
 if [ "$DEVICE" = cuda ]; then DT=bfloat16; else DT=float32; fi
 ENGINE=(--device "$DEVICE" --dtype "$DT")
@@ -35,7 +39,7 @@ if [ -n "${TOY:-}" ]; then
   BATCH=${BATCH:-2}; BLOCKS=${BLOCKS:-4}; CKPT=${CKPT:-2}; MAIN_STEPS=${MAIN_STEPS:-4}; MAIN_S=${MAIN_S:-120}
   EVAL=(--num-prompts 2 --max-tokens 16); CAL=(--num-prompts 2 --max-tokens 16)
 else
-  GEN=(--prompts-per-source 8000 --samples-per-prompt "${SPP:-2}" --max-tokens 256 --heldout 200
+  GEN=(--prompts-per-source "${PPS:-8000}" --samples-per-prompt "${SPP:-2}" --max-tokens 256 --heldout 200
     --max-num-seqs 1024 --magpie-max-tokens 128)
   MAGPIE=${MAGPIE:-30000}; FOLLOW_UPS=${FOLLOW_UPS:-10000}; GEN_S=${GEN_S:-420}
   # One H200 trained 8.5 steps/s at these sizes (benchmarks/results/drafter/scale-2026-12-02): 3,400 steps anneal
@@ -61,13 +65,12 @@ bring_back() {  # results and logs (and, after gen, the data while small enough)
   tar czf "$R/drafter-results.tar.gz" -C "$R" $(cd "$R" && ls -d *.json *.md *.png *.log *.jsonl main/*.json \
     2>/dev/null)
   split -b 15m -d "$R/drafter-results.tar.gz" "$OUT/drafter-results.tar.gz.part-"
-  if [ "$PHASE" = gen ] && [ -e "$R/main/sequences.npz" ]; then
+  if has gen && [ -e "$R/main/sequences.npz" ]; then
     local mb=$(( $(stat -c %s "$R/main/sequences.npz") / 1048576 ))
     if [ "$mb" -lt "$DATA_MAX_MB" ]; then split -b 15m -d "$R/main/sequences.npz" "$OUT/sequences.npz.part-"
     else echo "note: sequences.npz is $mb MB (DATA_MAX_MB=$DATA_MAX_MB): not brought back"; fi
-  elif [ "$PHASE" != gen ]; then
-    ship
   fi
+  if has train || has finish; then ship; fi
   ls -la "$OUT"
 }
 
@@ -77,27 +80,30 @@ if [ -n "${RESTORE:-}" ] && [ ! -e "$R/main/sequences.npz" ]; then
   [ -e "$RESTORE/heldout.jsonl" ] && cp "$RESTORE/heldout.jsonl" "$R/"
 fi
 
-if [ "$PHASE" = gen ]; then
+if has gen; then
   [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   n=$(ls "$R"/shards/gen-*.npz 2>/dev/null | wc -l)  # this run's shard; its seeds: SEED_OFFSET (default n)
   held=(); [ -e "$R/heldout.jsonl" ] || held=(--heldout-out "$R/heldout.jsonl")  # the first run's, kept
   timeout $((GEN_S + 120)) "$PY" benchmarks/drafter/gen_data.py --data-dir "$DATA" --out "$R/shards/gen-$n.npz" \
     --format npz --device "$DEVICE" --time-limit "$GEN_S" --magpie "$MAGPIE" --follow-ups "$FOLLOW_UPS" \
-    --temperatures 1.0 0.0 --seed-offset "${SEED_OFFSET:-$n}" --prompts-out "$R/prompts-$n.jsonl" "${held[@]}" \
+    --temperatures 1.0 0.0 ${PROMPT_S:+--prompt-time-limit "$PROMPT_S"} --seed-offset "${SEED_OFFSET:-$n}" --prompts-out "$R/prompts-$n.jsonl" "${held[@]}" \
     "${GEN[@]}" 2>&1 | quiet | tee "$R/gen-$n.log" | tail -n 8
   [ -e "$R/shards/gen-$n.npz" ] || { echo "gen: no shard written"; bring_back; exit 1; }
   "$PY" benchmarks/drafter/merge_data.py "$R/main/sequences.npz" "$R"/shards/gen-*.npz
+  if has train || has finish; then bring_back > /dev/null; fi  # a later phase cut short keeps this one's files
 fi
 
-if [ "$PHASE" = train ]; then
+if has train; then
   [ -e "$R/main/sequences.npz" ] || { echo "train: no $R/main/sequences.npz: run PHASE=gen (or RESTORE)"; exit 1; }
+  INIT_ARGS=(); [ -n "${INIT:-}" ] && INIT_ARGS=(--init-from "$INIT")
   timeout $((MAIN_S + 150)) "$PY" -m dspark train-drafter --data-dir "$DATA" --output-dir "$R/main" "${DRAFTER[@]}" \
     --steps "$MAIN_STEPS" --time-limit "$MAIN_S" --batch-size "$BATCH" --blocks-per-sequence "$BLOCKS" \
-    --checkpoint-every "$CKPT" "${ENGINE[@]}" --gpu-memory-utilization 0.2 2>&1 | quiet | tee -a "$R/train.log" \
+    --checkpoint-every "$CKPT" ${LR:+--lr "$LR"} "${INIT_ARGS[@]}" "${ENGINE[@]}" --gpu-memory-utilization 0.2 2>&1 | quiet | tee -a "$R/train.log" \
     | tail -n 6
+  if has finish; then bring_back > /dev/null; fi
 fi
 
-if [ "$PHASE" = finish ]; then
+if has finish; then
   D="$R/main/drafter"
   [ -e "$D/config.json" ] || { echo "finish: no drafter in $D: run PHASE=train first"; exit 1; }
   EV=("${ENGINE[@]}" --gpu-memory-utilization 0.5)
@@ -108,6 +114,7 @@ if [ "$PHASE" = finish ]; then
     timeout "$EVAL_S" "$PY" -m dspark eval-drafter "$D" "${EVAL_SETS[@]}" --temperature "$t.0" "${EVAL[@]}" \
       "${EV[@]}" --output-json "$R/eval-t$t.json" --output-md "$R/eval-t$t.md" "${plot[@]}" 2>&1 | quiet \
       | tee "$R/eval-t$t.log" | tail -n 12
+    [ "$t" = 0 ] && bring_back > /dev/null
   done
 fi
 

@@ -20,6 +20,8 @@ TRAIN_EPILOG = """\
 examples:
   dspark train-drafter --data-dir ../shared/data --output-dir runs/smollm2 --steps 4000 --device cuda
   dspark train-drafter --data-dir ../shared/data --output-dir runs/smollm2 --steps 8000   # resume, train longer
+  dspark train-drafter --data-dir ../shared/data --output-dir runs/tuned --init-from dspark/assets/smollm2-135m-dspark \
+      --lr 3e-4 --steps 1000   # fine-tune the shipped drafter
   python benchmarks/drafter/merge_data.py runs/big/sequences.npz shard-*.npz   # answers made beforehand, then:
   dspark train-drafter --data-dir ../shared/data --output-dir runs/big --batch-size 64 --device cuda --dtype bfloat16
 """
@@ -60,6 +62,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
             raise ConfigError(field, getattr(cfg, field), "must be a positive integer")
     if cfg.time_limit is not None and not cfg.time_limit > 0:
         raise ConfigError("time_limit", cfg.time_limit, "a positive number of seconds")
+    if cfg.init_from is not None and not (Path(cfg.init_from) / "config.json").is_file():
+        raise ConfigError("init_from", cfg.init_from, "a drafter directory with config.json and *.safetensors")
     if not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", cfg.data_dir, "must be a directory laid out as ../shared/data")
     llm = load_llm(engine_config(args))
@@ -192,6 +196,13 @@ def add_parser(subparsers: Any) -> None:
         ("--time-limit", None, float, "seconds of training (after the answers): checkpoint, stop; run again to resume"),
     ):
         g.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
+    g.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="fine-tune this drafter (e.g. dspark/assets/smollm2-135m-dspark) when --output-dir has no checkpoint yet; "
+        "its shape replaces --num-layers, --markov-rank and --draft-block-size, and its calibration is dropped "
+        "(run calibrate-drafter after)",
+    )
     add_engine_args(train)
     train.set_defaults(func=cmd_train_drafter)
 

@@ -10,6 +10,7 @@ The run directory holds everything, so a run may span several machines or GPU se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -49,6 +50,7 @@ class TrainConfig:
     seed: int = 0
     time_limit: float | None = None  # seconds of the training loop (answering the pool comes first, untimed): stop
     # early, checkpointed, and resume later with the same settings
+    init_from: str | None = None  # a drafter to fine-tune (the shipped one, say) when the run has no checkpoint yet
 
 
 def _save_state(run: Path, optimizer: torch.optim.Optimizer, scheduler: Any, step: int, model: torch.nn.Module) -> None:
@@ -109,6 +111,11 @@ def train_drafter(cfg: TrainConfig, llm: LLM, progress: bool = True) -> dict[str
     drafter_dir = run / "drafter"
     if (drafter_dir / "config.json").exists():
         model = load_drafter(drafter_dir, target.config, torch.float32, device)
+    elif cfg.init_from is not None:
+        model = load_drafter(cfg.init_from, target.config, torch.float32, device)
+        # Its shape wins over the shape flags. Its confidence calibration does not carry over: training moves the
+        # confidences it was fitted to (calibrate-drafter fits a new one).
+        model.config = dataclasses.replace(model.config, sts_temperatures=None, sts_biases=None)
     else:
         dcfg = DSparkConfig.for_target(
             target.config, num_layers=cfg.num_layers, block_size=cfg.block_size, markov_rank=cfg.markov_rank

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from dspark import LLM, SamplingParams
@@ -89,6 +90,57 @@ def test_train_checkpoint_resume_and_serve(tmp_path: Path, tiny_model_dirs: dict
     assert spec.get_metrics()["spec_decode_num_draft_tokens"] > 0
 
 
+def test_init_from_fine_tunes_a_drafter_with_its_shape_and_without_its_calibration(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    llm = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", max_model_len=256, num_kv_blocks=128)
+    data = str(_data_dir(tmp_path / "data"))
+    small = {"blocks_per_sequence": 4, "prompts_per_source": 2, "max_tokens": 24, "lr": 1e-3}
+    base = TrainConfig(
+        data_dir=data,
+        output_dir=str(tmp_path / "base"),
+        num_layers=1,
+        block_size=4,
+        markov_rank=8,
+        steps=3,
+        checkpoint_every=3,
+        **small,
+    )
+    train_drafter(base, llm, progress=False)
+    init = tmp_path / "base" / "drafter"
+    raw = json.loads((init / "config.json").read_text())
+    raw["dspark_config"]["sts_temperatures"] = [2.0] * 4  # as if calibrated
+    (init / "config.json").write_text(json.dumps(raw))
+    with safe_open(str(init / "model.safetensors"), framework="pt") as f:
+        before = {k: f.get_tensor(k) for k in f.keys()}
+
+    # Shape flags that disagree with the drafter: its own shape wins.
+    tuned = TrainConfig(
+        data_dir=data,
+        output_dir=str(tmp_path / "tuned"),
+        num_layers=3,
+        block_size=6,
+        markov_rank=0,
+        steps=2,
+        checkpoint_every=2,
+        init_from=str(init),
+        **small,
+    )
+    summary = train_drafter(tuned, llm, progress=False)
+    assert [h["step"] for h in summary["history"]] == [2]  # a fresh schedule, not the base run's step 3
+    out = json.loads((tmp_path / "tuned" / "drafter" / "config.json").read_text())
+    assert out["num_hidden_layers"] == 1 and out["block_size"] == 4
+    assert out["dspark_config"]["markov_rank"] == 8
+    assert out["dspark_config"].get("sts_temperatures") is None
+    with safe_open(str(tmp_path / "tuned" / "drafter" / "model.safetensors"), framework="pt") as f:
+        after = {k: f.get_tensor(k) for k in f.keys()}
+    assert after.keys() == before.keys()
+    assert any(not torch.equal(after[k], before[k]) for k in before)  # trained on from the init
+    # Two Adam steps at lr 1e-3 move no weight by more than a few 1e-3.
+    drift = max(float((after[k] - before[k]).abs().max()) for k in before if before[k].is_floating_point())
+    assert drift < 0.05
+
+
 def test_no_source_is_a_clear_error(tmp_path: Path) -> None:
     from dspark.errors import ConfigError
 
@@ -104,6 +156,9 @@ def test_the_command_rejects_bad_arguments(tmp_path: Path, capsys: pytest.Captur
     args = ["train-drafter", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "r"), "--steps", "0"]
     assert main(args) == 2
     assert "steps=0 is invalid" in capsys.readouterr().err
+    args = ["train-drafter", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "r")]
+    assert main([*args, "--init-from", str(tmp_path / "nodrafter")]) == 2
+    assert "init_from=" in capsys.readouterr().err
 
 
 def test_regenerate_skips_prompts_with_no_room_and_stops_at_the_deadline(tiny_model_dirs: dict[str, Path]) -> None:
