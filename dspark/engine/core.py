@@ -189,8 +189,9 @@ class EngineCore:
 
     def stop_requests(self, stops: Sequence[tuple[str, int]]) -> None:
         """The front ended these requests (a stop string, or a fault in its output): (request id, how many of the
-        tokens it was last sent it dropped). Those tokens are not counted as generated; a request still running is
-        finished now."""
+        tokens it was sent it dropped: those past the stop in the output it ended the request with, or, from a front
+        in another process, those made before the stop reached the core). Those tokens are not counted as generated;
+        a request still running is finished now."""
         for rid, num_dropped in stops:
             self.stats["num_generation_tokens"] -= num_dropped
             req = self.requests.get(rid)

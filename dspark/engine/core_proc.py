@@ -50,7 +50,11 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True):
 
 class StopRequests(msgspec.Struct, tag=True, array_like=True):
     """The front ended these (a stop string, a fault in its output): (request id, how many of the last tokens it
-    was sent it dropped)."""
+    was sent it dropped). Sent again for tokens of such a request that reach the front later (those the core made
+    before the stop reached it): none of them is counted as generated.
+
+    The core answers a stop that finds the request still running with an output that finishes it (no tokens,
+    finish_reason "stop"): nothing more comes for it, and the front forgets it."""
 
     stops: list[tuple[str, int]]
 
@@ -156,13 +160,18 @@ class CoreLoop:
         self.outputs = outputs if isinstance(outputs, list) else [outputs]
         self._metrics_at = 0.0
         self._front_of: dict[str, int] = {}  # request id -> the front it came from (kept with several fronts)
+        self._stopped: list[EngineCoreOutput] = []  # the answers to stops of running requests, sent with the next step
 
     def run(self) -> None:
         while self._handle(self._receive(block=not self.core.has_unfinished_requests())):
-            if self.core.has_unfinished_requests():
-                self._step()
-            else:
-                self._send([], self._metrics(force=True))  # aborts and stops taken while idle
+            self._turn()
+
+    def _turn(self) -> None:
+        """A step, or (nothing to run) the news of aborts and stops taken while idle."""
+        if self.core.has_unfinished_requests():
+            self._step()
+        else:
+            self._send(self._take_stopped(), self._metrics(force=True))
 
     def _receive(self, block: bool) -> list[CoreInput]:
         """Block for a message while there is no work; then take whatever has arrived, without waiting."""
@@ -185,8 +194,12 @@ class CoreLoop:
                 core.abort_requests(msg.request_ids)
                 self._forget(msg.request_ids)
             elif isinstance(msg, StopRequests):
+                # The front forgets a request it stopped once told that no more of its tokens are coming: an output
+                # that finishes it, the core's own (it ended before the stop came) or this answer. Its front is
+                # forgotten when the answer is sent; a request that ended before has been forgotten already.
+                running = [rid for rid, _ in msg.stops if rid in core.requests]
                 core.stop_requests(msg.stops)
-                self._forget([rid for rid, _ in msg.stops])
+                self._stopped += [EngineCoreOutput(rid, [], finish_reason="stop") for rid in running]
             else:
                 core.abort_requests(list(core.requests))
                 return False
@@ -194,11 +207,14 @@ class CoreLoop:
 
     def _step(self) -> None:
         core = self.core
+        stopped = self._take_stopped()
         try:
             outs = core.step()
             # The front processes the outputs in its own process, concurrently: the step is over for the timer.
             core.end_step()
         except Exception as e:
+            if stopped:
+                self._send(stopped, None)
             logger.exception("an engine step failed; failing the %d requests in flight", len(core.requests))
             failed = list(core.requests)
             core.abort_requests(failed)  # frees their blocks; if this raises too, the process dies (loudly)
@@ -208,8 +224,14 @@ class CoreLoop:
             for socket in self.outputs:  # every front: each fails those it has, and counts the failed step
                 socket.send(failure)
             return
+        if stopped:
+            outs = stopped + outs
         finished = any(o.finish_reason is not None for o in outs)
         self._send(outs, self._metrics(force=finished))
+
+    def _take_stopped(self) -> list[EngineCoreOutput]:
+        stopped, self._stopped = self._stopped, []
+        return stopped
 
     def _forget(self, request_ids: list[str]) -> None:
         if self._front_of:

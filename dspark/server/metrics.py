@@ -46,7 +46,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # get_metrics() key -> (name, help). Counters get `_total` appended by the exposition.
 COUNTERS = {
     "num_prompt_tokens": ("prompt_tokens", "Prompt tokens added to the engine."),
-    "num_generation_tokens": ("generation_tokens", "Tokens generated (aborted requests' included)."),
+    "num_generation_tokens": (
+        "generation_tokens",
+        "Tokens generated (aborted requests' included; none past the stop string that ended a request).",
+    ),
     "num_requests_finished": ("num_requests_finished", "Requests that ended by stop or length."),
     "num_requests_aborted": ("num_requests_aborted", "Requests aborted (client gone, engine failure, refused adds)."),
     "num_requests_failed": ("num_requests_failed", "Requests the engine failed alone (finish_reason error)."),

@@ -4,7 +4,9 @@ The API process keeps the front: tokenization and prompt checks (InputProcessor)
 detokenization, stop strings and RequestOutput (OutputProcessor) when the core's outputs do. Everything runs on the
 event loop: no thread, no lock, no polling. One task reads the core's messages; when it fell behind (a burst of
 streams to write), it takes every waiting message at once and merges each request's tokens, so a slow front sends
-fewer, larger chunks instead of queueing.
+fewer, larger chunks instead of queueing. A request the front ends (a stop string) runs on in the core until the stop
+reaches it: the tokens it makes meanwhile are dropped and taken back from the core's generated-token count, until the
+core says it has stopped the request.
 
 Handlers use it as they use AsyncEngine (add, abort, release, metrics, alive): RequestGroup is shared. The server
 answers 503 until the core is ready and after it is gone; if the core process dies, every waiting handler gets an
@@ -88,6 +90,9 @@ class ProcessEngine:
         self._stopping = False
         self._routes: dict[str, tuple[RequestGroup, int]] = {}  # request id -> (group, index)
         self._groups: set[RequestGroup] = set()  # added and not yet released
+        # Requests this front ended (a stop string, a fault in their output) that the core may still be running: the
+        # tokens it sends for them until it has stopped them are taken back (not generated tokens, as vLLM counts).
+        self._stopped: dict[str, None] = {}
         self._ids = itertools.count()
         self._core_metrics: dict[str, Any] = {}
         self._num_prompt_tokens = 0
@@ -167,6 +172,7 @@ class ProcessEngine:
             group._queue.put_nowait(error)
         self._groups.clear()
         self._routes.clear()
+        self._stopped.clear()
 
     # ---- requests -------------------------------------------------------------------------------------------------
 
@@ -272,6 +278,7 @@ class ProcessEngine:
         groups = set()
         self.output_processor.abort(msg.request_ids)  # counted as aborted, as the in-process engine counts them
         for rid in msg.request_ids:
+            self._stopped.pop(rid, None)  # aborted by the core: no answer to its stop will come
             route = self._routes.pop(rid, None)
             if route is not None:
                 groups.add(route[0])
@@ -279,16 +286,42 @@ class ProcessEngine:
             group._queue.put_nowait(error)
 
     def _deliver_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        if self._stopped:
+            outputs = self._take_back(outputs)
         if not outputs:
             return
-        done = self.output_processor.process(coalesce(outputs))
+        merged = coalesce(outputs)
+        done = self.output_processor.process(merged)
         if done.stopped and self._client is not None:
             self._client.send(StopRequests(done.stopped))
+            # Those the core had not finished go on there until the stop reaches it.
+            ended = {o.request_id for o in merged if o.finish_reason is not None}
+            self._stopped.update((rid, None) for rid, _ in done.stopped if rid not in ended)
         routes = self._routes
         for out in done.outputs:
             route = routes.pop(out.request_id, None) if out.finished else routes.get(out.request_id)
             if route is not None:
                 route[0]._queue.put_nowait((route[1], out))
+
+    def _take_back(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """The outputs of requests this front has not stopped. The tokens of the others, made after their stop, are
+        taken back from the core's count; an output that finishes one (the core's own end, or its answer to the stop)
+        is the last to come for it."""
+        stopped = self._stopped
+        kept: list[EngineCoreOutput] = []
+        late: dict[str, int] = {}
+        for out in outputs:
+            rid = out.request_id
+            if rid not in stopped:
+                kept.append(out)
+                continue
+            if out.new_token_ids:
+                late[rid] = late.get(rid, 0) + len(out.new_token_ids)
+            if out.finish_reason is not None:
+                del stopped[rid]
+        if late and self._client is not None:
+            self._client.send(StopRequests(list(late.items())))
+        return kept
 
 
 def coalesce(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
