@@ -77,9 +77,10 @@ class DSparkDrafter:
 
         With defer_context the rows are held back and written in one pass when drafting next reads the cache
         (propose), when a request is released (its blocks may be reused, or stay in the prefix cache for another
-        request's drafts), or once DEFER_ROWS are held. On CPU the write's cost is mostly its ~20 torch ops, not its
-        arithmetic: on the 2-vCPU machine (bf16, the shipped drafter) ~0.7 ms for 1 row, ~2 ms for 64. Written at
-        once it was paid in every plain step of a request that adaptive verification keeps from drafting."""
+        request's drafts), or once DEFER_ROWS are held. On CPU the write's cost is mostly its ops' fixed overhead, not
+        their arithmetic: on the 2-vCPU machine (bf16, the shipped drafter, one thread) ~0.25 ms for 1 row, ~1.2 ms
+        for 64 (benchmarks/cpu_step_parts.py; up to twice that with another process on the machine). Written at once
+        it was paid in every plain step of a request that adaptive verification keeps from drafting."""
         assert taps is not None, "the target must return the tapped layers this drafter reads"
         n = taps.shape[0]
         if n == 0:

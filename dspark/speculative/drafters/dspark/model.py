@@ -18,7 +18,7 @@ from dspark.attention.base import AttentionContext, KVCache
 from dspark.attention.torch_ref import write_kv
 from dspark.kernels import cpu as cpu_kernels
 from dspark.models import cpu_gemm, fused_ops
-from dspark.models.llama import DecoderLayer, RMSNorm, Rotary, apply_rotary
+from dspark.models.llama import Attention, DecoderLayer, RMSNorm, Rotary, apply_rotary
 from dspark.speculative.drafters.dspark.confidence import ConfidenceHead
 from dspark.speculative.drafters.dspark.config import DSparkConfig
 from dspark.speculative.drafters.dspark.markov import MarkovHead
@@ -116,12 +116,7 @@ class DSparkModel(nn.Module):
 
         assert self.context_kv_weight is not None
         kv = F.linear(features, self.context_kv_weight)[:n]
-        attn0 = self.layers[0].self_attn
-        width = attn0.num_kv_heads * attn0.head_dim
-        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            attn = layer.self_attn
-            k = kv[:, 2 * i * width : (2 * i + 1) * width].view(n, attn.num_kv_heads, attn.head_dim)
-            v = kv[:, (2 * i + 1) * width : (2 * i + 2) * width].view(n, attn.num_kv_heads, attn.head_dim)
+        for (attn, k, v), cache in zip(self._context_kv_views(kv), caches, strict=True):
             fused_ops.rotary_k(k, *rope, (attn.k_norm.weight, attn.k_norm.eps))
             write_kv_triton(cache.key, cache.value, k, v, slots)
 
@@ -137,17 +132,28 @@ class DSparkModel(nn.Module):
         heads as rows) and RoPE in place on its output, then the write."""
         assert self.context_kv_packed is not None
         kv = cpu_gemm.linear(features, self.context_kv_packed, None)[:n]
-        attn0 = self.layers[0].self_attn
-        width = attn0.num_kv_heads * attn0.head_dim
-        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            attn = layer.self_attn
-            k = attn.k_norm(kv[:, 2 * i * width : (2 * i + 1) * width].reshape(n, attn.num_kv_heads, attn.head_dim))
-            v = kv[:, (2 * i + 1) * width : (2 * i + 2) * width].view(n, attn.num_kv_heads, attn.head_dim)
+        for (attn, k, v), cache in zip(self._context_kv_views(kv), caches, strict=True):
+            k = attn.k_norm(k)
             if attn.cpu_fused and cpu_kernels.supports(k) and k.is_contiguous():
                 cpu_kernels.rotary_(k, *rope)  # in place: the norm's output is a new tensor
             else:
                 k = apply_rotary(k, rope)
             write_kv(cache, k, v, slots)
+
+    def _context_kv_views(self, kv: torch.Tensor) -> list[tuple[Attention, torch.Tensor, torch.Tensor]]:
+        """Per draft layer, its attention and its keys and values [n, kv_heads, head_dim] out of kv [n, layers * 2 *
+        kv_heads * head_dim], the output of one GEMM with context_kv_weight (each layer's k_proj rows, then its
+        v_proj rows). Strided views, not copies: the fused path's k_norm and RoPE write the keys in place."""
+        n = kv.shape[0]
+        attn0 = self.layers[0].self_attn
+        width = attn0.num_kv_heads * attn0.head_dim  # the same in every layer (one layer_config)
+        out = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            k = kv[:, 2 * i * width : (2 * i + 1) * width].view(n, attn.num_kv_heads, attn.head_dim)
+            v = kv[:, (2 * i + 1) * width : (2 * i + 2) * width].view(n, attn.num_kv_heads, attn.head_dim)
+            out.append((attn, k, v))
+        return out
 
     def mask_input(self, embed: nn.Embedding) -> torch.Tensor:
         """[hidden]: the input of a block's masked slots."""
