@@ -21,6 +21,15 @@ class ModelLoadError(DSparkError):
     """A model or tokenizer could not be found, read or understood."""
 
 
+class EngineError(DSparkError):
+    """The engine failed while running this request (a step raised); the log (the server's, or the engine core
+    process's) has the traceback."""
+
+
+class EngineDeadError(EngineError):
+    """The engine has stopped (shut down, or died): no request can run."""
+
+
 class _Shown(reprlib.Repr):
     """reprlib's bounded repr (it cuts long strings and containers, and stops at a depth, so a 16 MB string or a list
     nested a thousand deep costs little), which also shows an int too long for repr() to print at all (past

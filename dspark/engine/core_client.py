@@ -2,7 +2,8 @@
 read its messages, know when it is gone, stop it.
 
 asyncio-first (zmq.asyncio), for the server's event loop: reading blocks nothing and polls nothing, and the process's
-sentinel tells the loop the moment the core dies.
+sentinel tells the loop the moment the core dies. A blocking client (blocking=True, for LLM(engine_process=True)) has
+plain ZeroMQ sockets instead and no event loop: receive_blocking() waits for the core's messages or its end.
 
 One of several API servers does not start the core: it attaches to the one the launcher started
 (server/api_servers.py), binding its own pair of sockets, and learns of the core's end from a pidfd (Linux).
@@ -42,12 +43,16 @@ class CoreProcessClient:
         config: EngineConfig | None,
         target: Callable[..., None] = run_core,
         attach: tuple[str, str, int] | None = None,
+        blocking: bool = False,
     ) -> None:
         """Bind the sockets and start the core process; its Ready (or StartFailed) is the first message read.
         target: the process's entry point, run_core's signature (benchmarks put a stub core there).
         attach: (input address, output address, core pid) of a core another process started: bind those, start
-        nothing; the core's owner stops it."""
-        self.ctx = zmq.asyncio.Context()
+        nothing; the core's owner stops it.
+        blocking: plain sockets, read with receive_blocking() (no event loop); else asyncio's, read with receive()."""
+        self.ctx: zmq.Context = zmq.Context() if blocking else zmq.asyncio.Context()
+        self._blocking = blocking
+        self._poller: zmq.Poller | None = None
         self.process: BaseProcess | None = None
         self._pidfd: int | None = None
         self._dir: str | None = None
@@ -126,8 +131,21 @@ class CoreProcessClient:
             self.process.terminate()
 
     def send(self, msg: CoreInput) -> None:
-        """Queue an input for the core (ZeroMQ sends it in the background; never blocks the loop)."""
-        self.inputs.send(input_encoder.encode(msg), copy=False)
+        """Queue an input for the core (ZeroMQ sends it in the background; never blocks the loop). A blocking client
+        waits only while the core's end of the socket is not connected yet; once the core has ended, the input is
+        dropped (a PUSH socket without a peer would block for ever): the reader learns of the end from the sentinel."""
+        data = input_encoder.encode(msg)
+        if not self._blocking:
+            self.inputs.send(data, copy=False)
+            return
+        while True:
+            try:
+                self.inputs.send(data, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if not self.alive:
+                    return
+                self.inputs.poll(100, zmq.POLLOUT)
 
     async def receive(self) -> list[CoreMessage]:
         """Wait for the core's next message, then take every one already waiting: a front that fell behind catches
@@ -140,8 +158,27 @@ class CoreProcessClient:
             except zmq.Again:
                 return messages
 
+    def receive_blocking(self, timeout: float | None = None) -> list[CoreMessage] | None:
+        """receive() for a blocking client: wait at most timeout seconds (None: for ever) for the core's next message,
+        then take every one already waiting. [] if none came in time; None once the core process has ended and every
+        message it sent has been read. Ctrl-C interrupts the wait."""
+        if self._poller is None:
+            self._poller = zmq.Poller()
+            self._poller.register(self.outputs, zmq.POLLIN)
+            self._poller.register(self.sentinel, zmq.POLLIN)
+        ready = dict(self._poller.poll(None if timeout is None else max(0, round(timeout * 1000))))
+        if self.outputs not in ready:
+            return None if ready else []  # the core's end (its sentinel), or nothing in time
+        messages = []
+        while True:
+            try:
+                messages.append(output_decoder.decode(self.outputs.recv(zmq.NOBLOCK, copy=False)))
+            except zmq.Again:
+                return messages
+
     def request_shutdown(self) -> None:
-        """Ask the core to stop (its requests are aborted); from the event loop. Only the core's owner does."""
+        """Ask the core to stop (its requests are aborted); from the event loop (an asyncio client). Only the core's
+        owner does."""
         if self.process is not None and self.process.is_alive():
             try:
                 self.send(Shutdown())
@@ -150,7 +187,7 @@ class CoreProcessClient:
 
     def close(self, timeout: float = 10.0) -> None:
         """Wait for the core to stop (after request_shutdown), terminating it past the timeout; then close the
-        sockets. Blocks: run it in a thread from the event loop."""
+        sockets. Blocks: run it in a thread from an event loop."""
         process = self.process
         if process is not None and process.is_alive():
             process.join(timeout)

@@ -28,18 +28,10 @@ from typing import Any
 from dspark.config import SamplingParams
 from dspark.engine.input_processor import InputProcessor
 from dspark.engine.llm_engine import LLMEngine
-from dspark.errors import DSparkError
+from dspark.errors import DSparkError, EngineDeadError, EngineError
 from dspark.outputs import RequestOutput
 
 logger = logging.getLogger("dspark.server")
-
-
-class EngineError(DSparkError):
-    """The engine failed while running this request (a step raised); the server log has the traceback."""
-
-
-class EngineDeadError(EngineError):
-    """The engine has stopped (shut down, or died): no request can run."""
 
 
 class EngineStartingError(EngineDeadError):

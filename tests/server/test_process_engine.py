@@ -22,10 +22,11 @@ from server_harness import MODEL_NAME, drained, live_server, make_engine, metric
 from test_async_serving import _requests
 
 from dspark.config import EngineConfig, SamplingParams
+from dspark.engine.front import coalesce
 from dspark.engine.messages import EngineCoreOutput
 from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dspark.server.async_engine import RequestGroup
-from dspark.server.process_engine import ProcessEngine, coalesce
+from dspark.server.process_engine import ProcessEngine
 
 
 def _config(model: Path) -> EngineConfig:
