@@ -16,6 +16,7 @@ import atexit
 import functools
 import itertools
 import logging
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from dspark.outputs import RequestOutput
 from dspark.speculative.cost_model import CostModel
 
 logger = logging.getLogger("dspark")
+METRICS_WAIT_S = 5.0  # get_metrics() waits at most this long for the core's counters
 
 
 class SyncCoreFront(CoreFront):
@@ -128,8 +130,15 @@ class SyncCoreFront(CoreFront):
                 self._client.send(AbortRequests([]))
             if self.alive:
                 self._receive(0)  # whatever has come since the last call
+            # The counters, and the core's word that it stopped what stop strings ended: waited for, but not for
+            # ever (a Ctrl-C between receiving and handling a message can lose that word; the core then sits idle).
+            deadline = time.monotonic() + METRICS_WAIT_S
             while self.alive and (not self._core_metrics or self._stopped):
-                self._receive(None)  # the counters, and the core's word that it stopped what stop strings ended
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._stopped.clear()
+                    break
+                self._receive(left)
         except EngineDeadError:
             pass
         return self.metrics()
