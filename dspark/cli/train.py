@@ -30,6 +30,7 @@ examples:
 CALIBRATE_EPILOG = """\
 examples:
   dspark calibrate-drafter runs/smollm2/drafter --dataset held_out.jsonl --num-prompts 200 --device cuda
+  dspark calibrate-drafter runs/smollm2/drafter --dataset held_out.jsonl --temperature 0 1   # greedy and sampled
   dspark calibrate-drafter runs/smollm2/drafter --trace fixed_k_trace.jsonl
 """
 
@@ -103,6 +104,12 @@ def _prompt_files(paths: list[str], field: str, num_prompts: int | None) -> dict
     return files
 
 
+def _temperatures(values: list[float], field: str) -> list[float]:
+    if any(t < 0 for t in values) or len(set(values)) < len(values):
+        raise ConfigError(field, values, "distinct sampling temperatures, each >= 0")
+    return values
+
+
 def cmd_calibrate_drafter(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -110,18 +117,20 @@ def cmd_calibrate_drafter(args: argparse.Namespace) -> int:
     from dspark.train.evaluate import fixed_k_llm, run_prompts
 
     engine_args = _drafter_run_args(args)
-    if args.temperature < 0:
-        raise ConfigError("temperature", args.temperature, "must be >= 0")
+    temperatures = _temperatures(args.temperature, "temperature")
     if args.trace is not None and not Path(args.trace).is_file():
         raise ConfigError("trace", args.trace, "a fixed-k trace file that exists")
+    if args.trace is not None and len(temperatures) > 1:
+        raise ConfigError("temperature", args.temperature, "one value with --trace (a trace records its own)")
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(args.trace) if args.trace else Path(tmp) / "trace.jsonl"
         if args.dataset:
             prompts = [p for ps in _prompt_files(args.dataset, "dataset", args.num_prompts).values() for p in ps]
             llm = fixed_k_llm(engine_args, args.drafter_dir, trace)
-            run_prompts(llm, prompts, args.temperature, args.max_tokens, tty(sys.stderr))
+            for t in temperatures:
+                run_prompts(llm, prompts, t, args.max_tokens, tty(sys.stderr))
         try:
-            report = calibrate_drafter(trace, Path(args.drafter_dir))
+            report = calibrate_drafter(trace, Path(args.drafter_dir), default_temperature=temperatures[0])
         except DSparkError:
             raise
         except ValueError as e:  # no fully verified block in the trace
@@ -134,8 +143,8 @@ def cmd_eval_drafter(args: argparse.Namespace) -> int:
     from dspark.train.evaluate import evaluate_drafter, markdown_table, plot_reliability
 
     engine_args = _drafter_run_args(args)
-    if any(t < 0 for t in args.temperature):
-        raise ConfigError("temperature", args.temperature, "every temperature must be >= 0")
+    _temperatures(args.temperature, "temperature")
+    calibration_temperatures = _temperatures(args.calibration_temperature, "calibration_temperature")
     output, md = output_path(args.output_json), output_path(args.output_md, "output_md")
     plot_path = output_path(args.output_plot, "output_plot")
     if plot_path is not None and 1.0 not in args.temperature:
@@ -152,6 +161,7 @@ def cmd_eval_drafter(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         calibration_prompts=[p for ps in held_out.values() for p in ps] if held_out else None,
         calibration_trace=args.calibration_trace,
+        calibration_temperatures=calibration_temperatures,
         progress=tty(sys.stderr),
     )
     result["command"] = args.command_line
@@ -222,7 +232,15 @@ def add_parser(subparsers: Any) -> None:
     source.add_argument("--dataset", action="append", metavar="FILE", help="held-out prompts, JSON lines (repeatable)")
     g.add_argument("--num-prompts", metavar="N", type=int, help="prompts taken from each file (default: all)")
     g.add_argument("--max-tokens", metavar="N", type=int, default=256, help="tokens per answer (default: %(default)s)")
-    g.add_argument("--temperature", metavar="T", type=float, default=1.0, help="sampling (default: %(default)s)")
+    g.add_argument(
+        "--temperature",
+        metavar="T",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="the held-out prompts' sampling temperatures, one fit each: greedy requests (0) and sampled ones "
+        "survive differently (default: 1.0). A fit replaces the stored one at its temperature and keeps the others",
+    )
     add_engine_args(cal)
     cal.set_defaults(func=cmd_calibrate_drafter)
 
@@ -253,6 +271,14 @@ def add_parser(subparsers: Any) -> None:
         "--calibration-dataset", action="append", metavar="FILE", help="held-out prompts to fit STS on (repeatable)"
     )
     held_out.add_argument("--calibration-trace", metavar="FILE", help="a held-out fixed-k trace to fit STS on")
+    g.add_argument(
+        "--calibration-temperature",
+        metavar="T",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="sampling temperatures of the --calibration-dataset runs, one fit each (default: 1.0)",
+    )
     g.add_argument("--output-json", metavar="PATH", help="write the results here")
     g.add_argument("--output-plot", metavar="PATH", help="write the reliability diagram here (PNG)")
     g.add_argument("--output-md", metavar="PATH", help="write the markdown table here")

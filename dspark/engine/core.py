@@ -146,18 +146,12 @@ class EngineCore:
     def _trace_header(self) -> dict[str, Any]:
         assert self.spec is not None and self.planner is not None
         cfg = self.worker.dspark_model.config if self.worker.dspark_model is not None else None
-
-        def scaling(key: str) -> list[float] | None:
-            values = getattr(cfg, key, None)
-            return None if values is None else list(values)
-
         return {
             "K": self.num_spec_tokens,
             "method": self.spec.method,
             "drafter": str(self.worker.drafter_path()) if self.spec.method == "dspark" else None,
             # The confidences are recorded calibrated: what undoes them (train/calibrate.py) must know with what.
-            "sts_temperatures": scaling("sts_temperatures"),
-            "sts_biases": scaling("sts_biases"),
+            "sts_by_temperature": cfg.sts_table.to_json() if cfg is not None else None,
             "model": self.config.model,
             "device": str(self.device),
             "dtype": str(self.dtype),
@@ -346,7 +340,18 @@ class EngineCore:
             for s in sched.scheduled
             if s.spec_token_ids
         ]
-        return self.planner.record(outcomes, trace=self.trace is not None)
+        return self._with_temperatures(sched, self.planner.record(outcomes, trace=self.trace is not None))
+
+    @staticmethod
+    def _with_temperatures(sched: SchedulerOutput, records: list[dict[str, object]]) -> list[dict[str, object]]:
+        """Trace records with each request's sampling temperature (0: greedy): its confidences were calibrated with
+        the drafter's fit at that temperature, which train/calibrate.py must know to undo them."""
+        if records:
+            params = {s.request.request_id: s.request.sampling_params for s in sched.scheduled}
+            for r in records:
+                p = params[str(r["id"])]
+                r["temperature"] = 0.0 if p.greedy else p.temperature
+        return records
 
     def _update(
         self,
@@ -450,7 +455,7 @@ class EngineCore:
         if self.planner is not None:  # before finished requests are released
             verified = [i for i in live if num_verified[i]]
             outcomes = [(reqs[i].request_id, int(num_verified[i]), int(num_emitted[i]) - 1) for i in verified]
-            records = self.planner.record(outcomes, trace=self.trace is not None)
+            records = self._with_temperatures(sched, self.planner.record(outcomes, trace=self.trace is not None))
             self.planner.count_verified(num_verified[live])
         now = time.monotonic()
         tokens = result.tokens.tolist()

@@ -3,8 +3,9 @@ reads them (`dspark simulate`, and the drafter's calibration and evaluation in t
 
 JSONL: a header line (K, drafter, model, device, mode), then one line per step that verified drafts, listing for
 each such request the calibrated confidences of the drafts it held (before smoothing), how many it held, verified
-and had accepted. Record with fixed k (enable_adaptive_verification false) for the simulator: a block verified in
-full tells what every shorter verification would have accepted.
+and had accepted, and its sampling temperature (0: greedy; the calibration it was drafted with depends on it).
+Record with fixed k (enable_adaptive_verification false) for the simulator: a block verified in full tells what
+every shorter verification would have accepted.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Block:
     confidences: list[float]  # calibrated, one per draft the simulator may verify
     num_drafts: int  # len(confidences): drafts held, or only the verified ones when the trace recorded no more
     accepted: int  # L: how many leading drafts the target accepts
+    temperature: float | None = None  # the request's sampling temperature (0: greedy); None: not recorded
 
 
 @dataclass
@@ -136,6 +138,13 @@ def _parse_request(request: Any, k: int) -> tuple[str, Block | None]:
         raise ValueError(f"needs num_accepted <= num_verified <= num_drafts, got {accepted}, {verified}, {drafts}")
     if not verified <= len(conf) <= drafts:
         raise ValueError(f"{len(conf)} confidences: expected num_verified={verified} to num_drafts={drafts}")
+    temperature = request.get("temperature")
+    if temperature is not None and not (
+        isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature >= 0
+    ):
+        raise ValueError(f"temperature={temperature!r}: must be a number >= 0")
     if verified < drafts and accepted == verified:
         return str(rid), None  # censored: the first unverified draft might have survived too
-    return str(rid), Block([float(c) for c in conf], len(conf), accepted)
+    return str(rid), Block(
+        [float(c) for c in conf], len(conf), accepted, None if temperature is None else float(temperature)
+    )

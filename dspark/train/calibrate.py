@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
-from dspark.speculative.calibration import NUM_BINS
+from dspark.speculative.calibration import NUM_BINS, StsEntry, StsTable
+from dspark.speculative.drafters.dspark.config import DSparkConfig
+from dspark.speculative.trace import Block
 
 DEFAULT_GRID = torch.logspace(-1.0, 1.0, 81, dtype=torch.float64)  # T in [0.1, 10]
 DEFAULT_BIAS_GRID = torch.arange(-60, 61, dtype=torch.float64) / 10  # b in [-6, 6], steps of 0.1 (0 exactly)
@@ -103,11 +107,86 @@ def logits_from_confidences(
     return (torch.logit(c) - b) * t
 
 
-def calibrate_drafter(trace_path: Path, drafter_dir: Path) -> dict[str, object]:
+def scaling_at(table: StsTable, temperature: float) -> tuple[list[float], list[float]]:
+    """The (temperatures, biases) a request at this sampling temperature is calibrated with."""
+    inv, bias = table.at(np.array([temperature]))
+    return (1.0 / inv[0]).tolist(), bias[0].tolist()
+
+
+def recorded_table(header: dict[str, Any], stored: StsTable) -> StsTable:
+    """The calibration a trace's confidences were recorded with: its header's sts_by_temperature, or in an older
+    trace its sts_temperatures / sts_biases (null there: the identity); else the drafter's stored one."""
+    if header.get("sts_by_temperature") is not None:
+        return StsTable(
+            [
+                StsEntry(e["sampling_temperature"], tuple(e["temperatures"]), tuple(e["biases"]))
+                for e in header["sts_by_temperature"]
+            ]
+        )
+    if "sts_temperatures" in header:
+        return StsTable.single(stored.num_positions, header["sts_temperatures"], header.get("sts_biases"))
+    return stored
+
+
+def raw_logits(blocks: list[Block], recorded: StsTable, default_temperature: float) -> torch.Tensor:
+    """[N, K] confidence logits of fully verified blocks, each undone with the scaling of its request's temperature
+    (blocks of a trace that did not record it: default_temperature)."""
+    conf = torch.tensor([b.confidences for b in blocks], dtype=torch.float64)
+    temps = np.array([default_temperature if b.temperature is None else b.temperature for b in blocks])
+    inv, bias = recorded.at(temps)
+    k = conf.shape[1]  # a trace may verify fewer drafts than the drafter's block size
+    c = conf.clamp(1e-12, 1 - 1e-12)
+    return (torch.logit(c) - torch.from_numpy(bias[:, :k])) / torch.from_numpy(inv[:, :k])
+
+
+def fit_by_temperature(
+    blocks: list[Block],
+    k: int,
+    recorded: StsTable,
+    stored: StsTable,
+    default_temperature: float,
+    keep: bool = True,
+) -> tuple[StsTable, list[dict[str, Any]]]:
+    """STS fitted on fully verified blocks, once per sampling temperature among them: the stored table with those
+    fits in (keep False: the fits alone), and per fit its blocks, scaling and ECE before (stored) and after."""
+    logits = raw_logits(blocks, recorded, default_temperature)
+    survived = survival_outcomes(torch.tensor([b.accepted for b in blocks]), k)
+    temps_of = np.array([default_temperature if b.temperature is None else b.temperature for b in blocks])
+    table, fits = stored if keep else None, []
+    for t in sorted(set(temps_of.tolist())):
+        rows = torch.from_numpy(temps_of == t)
+        temps, biases = fit_sts(logits[rows], survived[rows])
+        old_temps, old_biases = scaling_at(stored, t)
+        before = calibrated_survival(logits[rows], old_temps[:k], old_biases[:k])
+        after = calibrated_survival(logits[rows], temps, biases)
+        # Positions past the blocks' K keep their scaling at this temperature.
+        entry = StsEntry(t, tuple(temps + old_temps[k:]), tuple(biases + old_biases[k:]))
+        table = StsTable([entry]) if table is None else table.with_entry(entry)
+        fits.append(
+            {
+                "sampling_temperature": t,
+                "num_blocks": int(rows.sum()),
+                "temperatures": temps,
+                "biases": biases,
+                "ece_before": expected_calibration_error(before, survived[rows]),
+                "ece_after": expected_calibration_error(after, survived[rows]),
+            }
+        )
+    assert table is not None, "no blocks to fit on"
+    return table, fits
+
+
+def calibrate_drafter(trace_path: Path, drafter_dir: Path, default_temperature: float = 1.0) -> dict[str, object]:
     """Fit STS on the fully verified blocks of a fixed-k trace (held-out prompts, recorded with this drafter: its
-    confidences and how many drafts survived), store the temperatures and shifts in the drafter's config.json, and
-    report the survival ECE before and after. The recorded confidences are undone with the scaling the trace's header
-    says they were recorded with (else the config's), so fitting twice on one trace gives the same result."""
+    confidences and how many drafts survived), once per sampling temperature in the trace, store the fits in the
+    drafter's config.json, and report the survival ECE before and after each. The recorded confidences are undone
+    with the scaling the trace's header says they were recorded with (else the config's), so fitting twice on one
+    trace gives the same result.
+
+    A fit replaces the stored one at its temperature and keeps those at others: a drafter calibrated at T = 1 and
+    then at T = 0 has both. A drafter never calibrated takes the fit for every temperature, and sts_temperatures /
+    sts_biases stored alone count as a fit at T = 1 (what calibrate-drafter fitted before it kept several).
+    Blocks from a trace that did not record their request's temperature count as at default_temperature."""
     from dspark.speculative.trace import load_trace
 
     trace = load_trace(trace_path)
@@ -119,32 +198,20 @@ def calibrate_drafter(trace_path: Path, drafter_dir: Path) -> dict[str, object]:
     # Our checkpoints keep the drafter's own keys under "dspark_config"; a top-level key overrides it on load.
     nested = config.get("dspark_config") if isinstance(config.get("dspark_config"), dict) else None
     own = nested if nested is not None else config
-    old = config.get("sts_temperatures", own.get("sts_temperatures"))
-    old_biases = config.get("sts_biases", own.get("sts_biases"))
-    if "sts_temperatures" in trace.header:  # the scaling the confidences were recorded with (None: identity)
-        recorded = (trace.header["sts_temperatures"], trace.header.get("sts_biases"))
-    else:  # an older trace: assume the drafter's config has not changed since
-        recorded = (old, old_biases)
-    block_size = int(config.get("block_size", trace.K))
-    conf = torch.tensor([b.confidences for b in blocks], dtype=torch.float64)
-    logits = logits_from_confidences(conf, *recorded)
-    survived = survival_outcomes(torch.tensor([b.accepted for b in blocks]), trace.K)
-    temps, biases = fit_sts(logits, survived)
-    old_k = (old or [1.0] * block_size)[: trace.K]
-    before = expected_calibration_error(
-        calibrated_survival(logits, old_k, (old_biases or [0.0] * block_size)[: trace.K]), survived
+    cfg = DSparkConfig.from_json(config, str(config_path))
+    k, block_size = trace.K, cfg.block_size
+    never_calibrated = cfg.sts_by_temperature is None and cfg.sts_temperatures is None and cfg.sts_biases is None
+    stored = cfg.sts_table
+    table, fits = fit_by_temperature(
+        blocks, k, recorded_table(trace.header, stored), stored, default_temperature, keep=not never_calibrated
     )
-    after = expected_calibration_error(calibrated_survival(logits, temps, biases), survived)
-    # Positions past the trace's K keep their scaling (identity if none was fitted before).
-    config.pop("sts_temperatures", None)
-    config.pop("sts_biases", None)
-    own["sts_temperatures"] = temps + list((old or [1.0] * block_size)[trace.K :])
-    own["sts_biases"] = biases + list((old_biases or [0.0] * block_size)[trace.K :])
+    assert table.num_positions == block_size
+    for key in ("sts_temperatures", "sts_biases", "sts_by_temperature"):
+        config.pop(key, None)
+        own.pop(key, None)
+    if len(table.entries) == 1 and table.entries[0].sampling_temperature == 1.0:  # the plain keys' meaning
+        own["sts_temperatures"], own["sts_biases"] = list(table.entries[0].temperatures), list(table.entries[0].biases)
+    else:
+        own["sts_by_temperature"] = table.to_json()
     config_path.write_text(json.dumps(config, indent=2) + "\n")
-    return {
-        "num_blocks": len(blocks),
-        "temperatures": temps,
-        "biases": biases,
-        "ece_before": before,
-        "ece_after": after,
-    }
+    return {"fits": fits, "sts_by_temperature": table.to_json()}

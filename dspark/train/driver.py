@@ -115,7 +115,9 @@ def train_drafter(cfg: TrainConfig, llm: LLM, progress: bool = True) -> dict[str
         model = load_drafter(cfg.init_from, target.config, torch.float32, device)
         # Its shape wins over the shape flags. Its confidence calibration does not carry over: training moves the
         # confidences it was fitted to (calibrate-drafter fits a new one).
-        model.config = dataclasses.replace(model.config, sts_temperatures=None, sts_biases=None)
+        model.config = dataclasses.replace(
+            model.config, sts_temperatures=None, sts_biases=None, sts_by_temperature=None
+        )
     else:
         dcfg = DSparkConfig.for_target(
             target.config, num_layers=cfg.num_layers, block_size=cfg.block_size, markov_rank=cfg.markov_rank

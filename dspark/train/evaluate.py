@@ -9,7 +9,8 @@ were cut short by max_tokens), so survival to every position is observed.
 Calibration: the survivals a_k = prod_{i<=k} sigmoid(logit_i / T_i + b_i) against whether drafts 1..k all survived,
 before (the head's raw logits, T = 1, b = 0) and after STS. The scaling "after" uses is fitted on held-out data
 (prompts run through the same engine, or a trace recorded with this drafter), never on the rows it is scored on;
-without held-out data it is the drafter's stored one.
+without held-out data it is the drafter's stored one. Both are tables of fits per sampling temperature
+(speculative/calibration.py's StsTable): each row is scored with the scaling at its own temperature.
 """
 
 from __future__ import annotations
@@ -25,14 +26,17 @@ import torch
 from dspark.config import SamplingParams
 from dspark.errors import ConfigError
 from dspark.llm import LLM
+from dspark.speculative.calibration import StsTable
 from dspark.speculative.drafters.dspark.config import DSparkConfig
-from dspark.speculative.trace import Trace, load_trace
+from dspark.speculative.trace import Block, Trace, load_trace
 from dspark.train.calibrate import (
     NUM_BINS,
     calibrated_survival,
     expected_calibration_error,
-    fit_sts,
+    fit_by_temperature,
     logits_from_confidences,
+    recorded_table,
+    scaling_at,
     survival_outcomes,
 )
 
@@ -133,12 +137,16 @@ def calibration(blocks: Blocks, stored: Scaling, after: Scaling) -> dict[str, An
     return out
 
 
-def _fit(blocks: Blocks, stored: Scaling, field: str, value: object) -> Scaling:
-    """STS fitted on held-out blocks (their confidences calibrated with the stored scaling)."""
-    k = len(stored[0])
-    if not len(blocks[1]):
-        raise ConfigError(field, value, f"gave no block with all {k} drafts verified: more prompts or tokens")
-    return fit_sts(logits_from_confidences(blocks[0], *stored), survival_outcomes(blocks[1], k))
+def _trace_blocks(trace: Trace, request_ids: Sequence[str] | None = None) -> list[Block]:
+    keep = trace.streams.keys() if request_ids is None else request_ids
+    return [b for rid in keep for b in trace.streams.get(rid, []) if b.num_drafts == trace.K]
+
+
+def _fit(blocks: list[Block], trace: Trace, stored: StsTable, field: str, value: object) -> StsTable:
+    """STS fitted on held-out blocks, per sampling temperature among them, into the stored table."""
+    if not blocks:
+        raise ConfigError(field, value, f"gave no block with all {trace.K} drafts verified: more prompts or tokens")
+    return fit_by_temperature(blocks, trace.K, recorded_table(trace.header, stored), stored, 1.0)[0]
 
 
 def evaluate_drafter(
@@ -149,40 +157,40 @@ def evaluate_drafter(
     max_tokens: int = 256,
     calibration_prompts: list[str] | None = None,
     calibration_trace: str | Path | None = None,
-    calibration_temperature: float = 1.0,
+    calibration_temperatures: Sequence[float] = (1.0,),
     trace_path: str | Path | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """One row per (dataset, temperature), a pooled calibration over the temperature-1 rows, and where the STS
-    temperatures came from. engine_args: LLM's keyword arguments (model, device, dtype, ...) but the speculative config.
-    """
+    scaling came from. A row is scored with the scaling at its temperature: the drafter's stored one, with the fits
+    on held-out data (at calibration_temperatures, or at those a calibration trace recorded) in its place.
+    engine_args: LLM's keyword arguments (model, device, dtype, ...) but the speculative config."""
     if calibration_prompts is not None and calibration_trace is not None:
         raise ConfigError("calibration_trace", str(calibration_trace), "not together with calibration prompts")
     cfg = drafter_config(drafter_dir)
     k = cfg.block_size
-    stored = (list(cfg.sts_temperatures or [1.0] * k), list(cfg.sts_biases or [0.0] * k))
+    stored = cfg.sts_table
     source, after, num_fit = "stored", stored, 0
     if calibration_trace is not None:  # fitted first: a bad trace fails before the long run
         fit_trace = load_trace(calibration_trace)
         if fit_trace.K != k:
             raise ConfigError("calibration_trace", str(calibration_trace), f"recorded with K={fit_trace.K}, not {k}")
-        fit_on = full_blocks(fit_trace)
-        recorded = stored
-        if "sts_temperatures" in fit_trace.header:  # undo the confidences with the scaling they were recorded with
-            recorded = (
-                list(fit_trace.header["sts_temperatures"] or [1.0] * k),
-                list(fit_trace.header.get("sts_biases") or [0.0] * k),
-            )
-        after = _fit(fit_on, recorded, "calibration_trace", str(calibration_trace))
-        source, num_fit = f"trace {calibration_trace}", len(fit_on[1])
+        fit_on = _trace_blocks(fit_trace)
+        after = _fit(fit_on, fit_trace, stored, "calibration_trace", str(calibration_trace))
+        source, num_fit = f"trace {calibration_trace}", len(fit_on)
     with tempfile.TemporaryDirectory() as tmp:
         trace_file = Path(trace_path or Path(tmp) / "trace.jsonl")
         llm = fixed_k_llm(engine_args, drafter_dir, trace_file)
         if calibration_prompts is not None:
-            held_out = run_prompts(llm, calibration_prompts, calibration_temperature, max_tokens, progress)
-            fit_on = full_blocks(load_trace(trace_file), held_out["request_ids"])
-            after = _fit(fit_on, stored, "calibration_prompts", f"<{len(calibration_prompts)} prompts>")
-            source, num_fit = "held-out prompts", len(fit_on[1])
+            held_out = [
+                rid
+                for t in calibration_temperatures
+                for rid in run_prompts(llm, calibration_prompts, t, max_tokens, progress)["request_ids"]
+            ]
+            cal_trace = load_trace(trace_file)
+            fit_on = _trace_blocks(cal_trace, held_out)
+            after = _fit(fit_on, cal_trace, stored, "calibration_prompts", f"<{len(calibration_prompts)} prompts>")
+            source, num_fit = "held-out prompts", len(fit_on)
         runs = {}
         for name, prompts in datasets.items():
             for t in temperatures:
@@ -192,10 +200,12 @@ def evaluate_drafter(
     rows, pooled_ids = [], []
     for (name, t), run in runs.items():
         blocks = full_blocks(trace, run["request_ids"])
-        rows.append({"dataset": name, "temperature": t, **acceptance(blocks, k), **calibration(blocks, stored, after)})
+        scored = calibration(blocks, scaling_at(stored, t), scaling_at(after, t))
+        rows.append({"dataset": name, "temperature": t, **acceptance(blocks, k), **scored})
         rows[-1].update({key: v for key, v in run.items() if key != "request_ids"})
         pooled_ids += run["request_ids"] if t == 1.0 else []
     pooled = full_blocks(trace, pooled_ids)
+    at_1 = scaling_at(stored, 1.0), scaling_at(after, 1.0)
     return {
         "drafter": str(drafter_dir),
         "K": k,
@@ -203,14 +213,12 @@ def evaluate_drafter(
         "calibration": {
             "source": source,
             "num_blocks": num_fit,
-            "stored_temperatures": stored[0],
-            "stored_biases": stored[1],
-            "temperatures": after[0],
-            "biases": after[1],
+            "stored": stored.to_json(),
+            "fitted": after.to_json(),
         },
         "rows": rows,
-        "pooled_temperature_1": {**acceptance(pooled, k), **calibration(pooled, stored, after)} if pooled_ids else None,
-        "reliability": reliability(pooled, stored, after) if pooled_ids else None,
+        "pooled_temperature_1": {**acceptance(pooled, k), **calibration(pooled, *at_1)} if pooled_ids else None,
+        "reliability": reliability(pooled, *at_1) if pooled_ids else None,
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from dspark.train.calibrate import (
@@ -137,8 +138,8 @@ def test_calibrate_drafter_from_a_fixed_k_trace(tmp_path: Path) -> None:
     logits, num_accepted = _synthetic(4000, true_temps, seed=5)
     trace = _write_trace(tmp_path / "trace.jsonl", torch.sigmoid(logits), num_accepted)
     drafter = _tiny_drafter(tmp_path / "drafter", block_size=6)
-    report = calibrate_drafter(trace, drafter)
-    assert report["num_blocks"] == 4000
+    (report,) = calibrate_drafter(trace, drafter)["fits"]
+    assert report["num_blocks"] == 4000 and report["sampling_temperature"] == 1.0  # not recorded: the default
     assert report["ece_after"] < 0.02 < report["ece_before"]
     temps = report["temperatures"]
     assert abs(temps[0] - 2.0) < 0.3 and abs(temps[1] - 0.5) < 0.15
@@ -172,7 +173,126 @@ def test_a_trace_is_undone_with_the_scaling_it_was_recorded_with(tmp_path: Path)
         sts_biases=None,
     )
     drafter = _tiny_drafter(tmp_path / "drafter", block_size=2)
-    first = calibrate_drafter(trace, drafter)
-    second = calibrate_drafter(trace, drafter)
+    (first,) = calibrate_drafter(trace, drafter)["fits"]
+    (second,) = calibrate_drafter(trace, drafter)["fits"]
     assert first["temperatures"] == second["temperatures"] and first["biases"] == second["biases"]
     assert abs(first["temperatures"][0] - 1.0) < 0.2, first  # the head's own logits, not the recorded ones
+
+
+# ---- fits per sampling temperature --------------------------------------------------------------------------------
+
+
+def _table_trace(path: Path, parts: list[tuple[float, torch.Tensor, torch.Tensor]], **header: object) -> Path:
+    """A fixed-k trace whose blocks record their request's sampling temperature: (temperature, confidences,
+    accepted) per part."""
+    import json
+
+    k = parts[0][1].shape[1]
+    lines = [json.dumps({"type": "header", "K": k, **header})]
+    n = 0
+    for t, conf, accepted in parts:
+        for i in range(len(conf)):
+            block = {"id": f"r{n}", "confidences": conf[i].tolist(), "num_drafts": k, "num_verified": k}
+            block |= {"num_accepted": int(accepted[i]), "temperature": t}
+            lines.append(json.dumps({"type": "step", "step": n, "requests": [block]}))
+            n += 1
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_table_interpolates_scales_and_shifts_between_its_fits() -> None:
+    import numpy as np
+
+    from dspark.speculative.calibration import StsEntry, StsTable
+
+    table = StsTable([StsEntry(1.0, (4.0, 1.0), (1.0, 0.0)), StsEntry(0.0, (1.0, 0.5), (-1.0, 0.0))])
+    assert table.sampling_temperatures == [0.0, 1.0]  # kept in order
+    inv, bias = table.at(np.array([0.0, 0.25, 1.0, 3.0]))
+    np.testing.assert_allclose(inv, [[1.0, 2.0], [0.8125, 1.75], [0.25, 1.0], [0.25, 1.0]])  # 1/T, linearly
+    np.testing.assert_allclose(bias, [[-1.0, 0.0], [-0.5, 0.0], [1.0, 0.0], [1.0, 0.0]])
+    single = StsTable.single(2, [2.0, 2.0], None)
+    np.testing.assert_allclose(single.at(np.array([0.0, 0.7]))[0], [[0.5, 0.5]] * 2)  # one fit serves every T
+    replaced = table.with_entry(StsEntry(1.0, (2.0, 2.0), (0.0, 0.0)))
+    assert replaced.entries[0] == table.entries[0] and replaced.entries[1].temperatures == (2.0, 2.0)
+    for bad in (
+        [StsEntry(1.0, (1.0,), (0.0,)), StsEntry(1.0, (2.0,), (0.0,))],  # one temperature twice
+        [StsEntry(-0.5, (1.0,), (0.0,))],
+        [StsEntry(0.0, (1.0, 1.0), (0.0,))],
+        [StsEntry(0.0, (0.0,), (0.0,))],
+    ):
+        with pytest.raises(ValueError):
+            StsTable(bad)
+
+
+def test_greedy_and_sampled_blocks_get_their_own_fits(tmp_path: Path) -> None:
+    """Drafts that survive with sigmoid(logit / 2) when greedy and sigmoid(logit / 0.5) when sampled: one trace
+    holding both gives two fits, each near its truth; recalibrating at T = 1 alone keeps the greedy fit."""
+    import json
+
+    from dspark.speculative.drafters.dspark.config import DSparkConfig
+    from dspark.train.calibrate import calibrate_drafter
+
+    greedy = _synthetic(4000, [2.0, 2.0], seed=1)
+    sampled = _synthetic(4000, [0.5, 0.5], seed=2)
+    parts = [(0.0, torch.sigmoid(greedy[0]), greedy[1]), (1.0, torch.sigmoid(sampled[0]), sampled[1])]
+    trace = _table_trace(tmp_path / "both.jsonl", parts)
+    drafter = _tiny_drafter(tmp_path / "drafter", block_size=2)
+    fits = calibrate_drafter(trace, drafter)["fits"]
+    assert [f["sampling_temperature"] for f in fits] == [0.0, 1.0]
+    assert abs(fits[0]["temperatures"][0] - 2.0) < 0.3 and abs(fits[1]["temperatures"][0] - 0.5) < 0.1
+    assert all(f["ece_after"] < 0.02 for f in fits)
+    # One scaling for both would be off for one of them: the same logits survive differently.
+    mixed = torch.cat([greedy[0], sampled[0]])
+    outcomes = survival_outcomes(torch.cat([greedy[1], sampled[1]]), 2)
+    pooled_t, pooled_b = fit_sts(mixed, outcomes)
+    per_t = [calibrated_survival(greedy[0], pooled_t, pooled_b), calibrated_survival(sampled[0], pooled_t, pooled_b)]
+    assert expected_calibration_error(per_t[0], survival_outcomes(greedy[1], 2)) > 0.05
+
+    config_path = drafter / "config.json"
+    raw = json.loads(config_path.read_text())
+    assert "sts_temperatures" not in raw["dspark_config"] and len(raw["dspark_config"]["sts_by_temperature"]) == 2
+    (again,) = calibrate_drafter(_table_trace(tmp_path / "t1.jsonl", parts[1:]), drafter)["fits"]
+    table = DSparkConfig.from_json(json.loads(config_path.read_text()), "test").sts_table
+    assert table.sampling_temperatures == [0.0, 1.0]
+    assert list(table.entries[0].temperatures) == fits[0]["temperatures"]  # the greedy fit stays
+    assert list(table.entries[1].temperatures) == again["temperatures"]
+
+
+def test_a_drafter_calibrated_once_at_t0_keeps_that_temperature(tmp_path: Path) -> None:
+    """A first fit serves every temperature, and records where it was fitted: a later T = 1 fit joins it rather
+    than replacing it (the plain sts_temperatures keys would read as a fit at T = 1)."""
+    import json
+
+    from dspark.speculative.drafters.dspark.config import DSparkConfig
+    from dspark.train.calibrate import calibrate_drafter
+
+    logits, accepted = _synthetic(2000, [2.0], seed=3)
+    drafter = _tiny_drafter(tmp_path / "drafter", block_size=1)
+    calibrate_drafter(_table_trace(tmp_path / "t0.jsonl", [(0.0, torch.sigmoid(logits), accepted)]), drafter)
+    table = DSparkConfig.from_json(json.loads((drafter / "config.json").read_text()), "test").sts_table
+    assert table.sampling_temperatures == [0.0]
+    calibrate_drafter(_table_trace(tmp_path / "t1.jsonl", [(1.0, torch.sigmoid(logits), accepted)]), drafter)
+    table = DSparkConfig.from_json(json.loads((drafter / "config.json").read_text()), "test").sts_table
+    assert table.sampling_temperatures == [0.0, 1.0]
+
+
+def test_each_block_is_undone_with_the_fit_at_its_temperature(tmp_path: Path) -> None:
+    """Confidences recorded with a two-fit table (header): every block's raw logits come back, whatever its
+    request's temperature, including one between the fits."""
+    import numpy as np
+
+    from dspark.speculative.calibration import StsEntry, StsTable
+    from dspark.speculative.trace import load_trace
+    from dspark.train.calibrate import raw_logits, recorded_table
+
+    table = StsTable([StsEntry(0.0, (2.0, 0.5), (0.3, -0.2)), StsEntry(1.0, (0.7, 1.5), (-1.0, 0.4))])
+    z = torch.linspace(-3, 3, 12, dtype=torch.float64).reshape(6, 2)
+    temps = [0.0, 0.0, 0.5, 1.0, 1.0, 2.0]
+    inv, bias = table.at(np.array(temps))
+    conf = torch.sigmoid(z * torch.from_numpy(inv) + torch.from_numpy(bias))
+    parts = [(t, conf[i : i + 1], torch.tensor([0])) for i, t in enumerate(temps)]
+    trace = load_trace(_table_trace(tmp_path / "trace.jsonl", parts, sts_by_temperature=table.to_json()))
+    blocks = [b for s in trace.streams.values() for b in s]
+    stored = StsTable.single(2, None, None)
+    assert recorded_table(trace.header, stored) == table
+    torch.testing.assert_close(raw_logits(blocks, recorded_table(trace.header, stored), 1.0), z)

@@ -109,7 +109,8 @@ def test_init_from_fine_tunes_a_drafter_with_its_shape_and_without_its_calibrati
     train_drafter(base, llm, progress=False)
     init = tmp_path / "base" / "drafter"
     raw = json.loads((init / "config.json").read_text())
-    raw["dspark_config"]["sts_temperatures"] = [2.0] * 4  # as if calibrated
+    fit = {"temperatures": [2.0] * 4, "biases": [0.0] * 4}
+    raw["dspark_config"]["sts_by_temperature"] = [{"sampling_temperature": t, **fit} for t in (0.0, 1.0)]  # calibrated
     (init / "config.json").write_text(json.dumps(raw))
     with safe_open(str(init / "model.safetensors"), framework="pt") as f:
         before = {k: f.get_tensor(k) for k in f.keys()}
@@ -131,7 +132,9 @@ def test_init_from_fine_tunes_a_drafter_with_its_shape_and_without_its_calibrati
     out = json.loads((tmp_path / "tuned" / "drafter" / "config.json").read_text())
     assert out["num_hidden_layers"] == 1 and out["block_size"] == 4
     assert out["dspark_config"]["markov_rank"] == 8
-    assert out["dspark_config"].get("sts_temperatures") is None
+    assert (
+        out["dspark_config"].get("sts_temperatures") is None and out["dspark_config"].get("sts_by_temperature") is None
+    )
     with safe_open(str(tmp_path / "tuned" / "drafter" / "model.safetensors"), framework="pt") as f:
         after = {k: f.get_tensor(k) for k in f.keys()}
     assert after.keys() == before.keys()

@@ -103,7 +103,8 @@ def test_rows_per_dataset_and_temperature_match_the_trace(tmp_path: Path, tiny: 
         ("second", 1.0),
         ("second", 0.0),
     ]
-    assert result["calibration"]["source"] == "stored" and result["calibration"]["temperatures"] == [1.0] * K
+    identity = {"sampling_temperature": 1.0, "temperatures": [1.0] * K, "biases": [0.0] * K}
+    assert result["calibration"]["source"] == "stored" and result["calibration"]["stored"] == [identity]
     for r in rows:
         assert r["num_prompts"] == 2 and r["num_output_tokens"] > 0 and r["num_drafts"] > 0
         assert r["tau"] == 1 + r["num_accepted_tokens"] / r["num_drafts"] >= 1
@@ -112,6 +113,7 @@ def test_rows_per_dataset_and_temperature_match_the_trace(tmp_path: Path, tiny: 
     records = [q for s in load_trace(trace_path).streams.values() for q in s]
     assert load_trace(trace_path).K == K and sum(r["num_drafts"] for r in rows) == len(records)
     assert sum(r["num_accepted_tokens"] for r in rows) == sum(b.accepted for b in records)
+    assert {b.temperature for b in records} == {0.0, 1.0}  # each block's request's, for undoing its calibration
     pooled = result["pooled_temperature_1"]
     assert 0 < pooled["num_blocks"] == sum(r["num_blocks"] for r in rows if r["temperature"] == 1)
     assert markdown_table(result).count("\n| first |") == 2
@@ -122,7 +124,10 @@ def test_rows_per_dataset_and_temperature_match_the_trace(tmp_path: Path, tiny: 
     )
     num_full = sum(b.num_drafts == K for b in records)
     assert again["calibration"]["source"] == f"trace {trace_path}" and again["calibration"]["num_blocks"] == num_full
-    assert again["calibration"]["temperatures"] != [1.0] * K
+    # One fit per temperature the trace recorded.
+    fitted = again["calibration"]["fitted"]
+    assert [f["sampling_temperature"] for f in fitted] == [0.0, 1.0]
+    assert all(f["temperatures"] != [1.0] * K or f["biases"] != [0.0] * K for f in fitted)
 
 
 def test_eval_drafter_command_writes_json_plot_and_table(
@@ -150,12 +155,17 @@ def test_calibrate_drafter_command_records_and_fits(
 ) -> None:
     held_out = _jsonl(tmp_path / "held_out.jsonl", PROMPTS)
     argv = ["calibrate-drafter", str(drafter), "--model", tiny, *CLI_ENGINE, "--dataset", str(held_out)]
-    assert main([*argv, "--max-tokens", "16"]) == 0
+    assert main([*argv, "--max-tokens", "16", "--temperature", "0", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["num_blocks"] > 0 and len(report["temperatures"]) == K
-    assert report["ece_after"] <= report["ece_before"]
-    stored = DSparkConfig.from_json(json.loads((drafter / "config.json").read_text()), "test").sts_temperatures
-    assert stored is not None and list(stored) == report["temperatures"]
+    assert [f["sampling_temperature"] for f in report["fits"]] == [0.0, 1.0]
+    for fit in report["fits"]:
+        assert fit["num_blocks"] > 0 and len(fit["temperatures"]) == K
+        assert fit["ece_after"] <= fit["ece_before"]
+    stored = DSparkConfig.from_json(json.loads((drafter / "config.json").read_text()), "test").sts_by_temperature
+    assert stored is not None
+    assert [(e.sampling_temperature, list(e.temperatures)) for e in stored] == [
+        (f["sampling_temperature"], f["temperatures"]) for f in report["fits"]
+    ]
 
 
 @pytest.mark.parametrize(

@@ -208,6 +208,33 @@ CONFIG_DAMAGE: dict[str, tuple[Callable[[dict[str, Any]], object] | bytes, str]]
         _set("sts_temperatures", ["hot"] * 4, nested=True),
         "sts_temperatures=\\['hot'.* is invalid: must be a list of positive finite numbers",
     ),
+    "sts_by_temperature-beside-sts_temperatures": (
+        lambda c: c["dspark_config"].update(
+            sts_temperatures=[1.0] * 4,
+            sts_by_temperature=[{"sampling_temperature": 0, "temperatures": [1.0] * 4, "biases": [0.0] * 4}],
+        ),
+        "sts_by_temperature replaces sts_temperatures and sts_biases",
+    ),
+    "sts_by_temperature-an-entry-without-biases": (
+        _set("sts_by_temperature", [{"sampling_temperature": 0, "temperatures": [1.0] * 4}], nested=True),
+        r"sts_by_temperature\[0\]=.* is invalid: must be a non-empty list of \{sampling_temperature",
+    ),
+    "sts_by_temperature-a-negative-temperature": (
+        _set(
+            "sts_by_temperature",
+            [{"sampling_temperature": -1, "temperatures": [1.0] * 4, "biases": [0.0] * 4}],
+            nested=True,
+        ),
+        r"sts_by_temperature\[0\].sampling_temperature=-1 is invalid: must be a finite number >= 0",
+    ),
+    "sts_by_temperature-one-temperature-twice": (
+        _set(
+            "sts_by_temperature",
+            [{"sampling_temperature": 1, "temperatures": [1.0] * 4, "biases": [0.0] * 4}] * 2,
+            nested=True,
+        ),
+        "one fit per temperature",
+    ),
     "mask_token_id-past-the-vocabulary": (
         _set("mask_token_id", 49152, nested=True),
         "mask_token_id=49152 is not in the vocabulary",

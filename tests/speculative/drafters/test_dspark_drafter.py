@@ -623,6 +623,32 @@ def _same_proposals(a: DSparkModel, b: DSparkModel, target: CausalLM, ctx: Conte
         assert (pa.probs is None and pb.probs is None) or torch.equal(pa.probs, pb.probs)  # type: ignore[arg-type]
 
 
+def test_each_request_takes_the_calibration_fitted_at_its_temperature(
+    targets: dict[str, CausalLM], contexts: dict[str, Context]
+) -> None:
+    """A drafter with fits at T = 0 and T = 1: in one batch (requests at 0.7, 1.0, greedy, 1.3 and 0.5) every
+    request's confidences are its raw head logits scaled as StsTable.at says for its temperature (the greedy one
+    with the T = 0 fit, 1.3 with the T = 1 fit), and the drafts themselves do not change."""
+    import numpy as np
+
+    from dspark.speculative.calibration import StsEntry
+
+    target, ctx = targets["llama"], contexts["llama"]
+    raw = _drafter_model(target, seed=8)
+    table = (StsEntry(0.0, _sts(K), _sts_biases(K)), StsEntry(1.0, tuple(reversed(_sts(K))), (0.4,) * K))
+    calibrated = random_drafter(dataclasses.replace(raw.config, sts_by_temperature=table))
+    calibrated.load_state_dict(raw.state_dict())
+    inv, bias = calibrated.config.sts_table.at(np.array(TEMPERATURES))
+    assert not np.allclose(inv[2], inv[1])  # the fits differ: a wrong pick would show
+    for sample in (False, True):
+        (da, ra), (db, rb) = _drafter(raw, target, ctx, sample), _drafter(calibrated, target, ctx, sample)
+        pa, pb = da.propose(ra), db.propose(rb)
+        assert pa.token_ids == pb.token_ids and pa.confidences is not None and pb.confidences is not None
+        z = torch.logit(pa.confidences.double())
+        expected = torch.sigmoid(z * torch.from_numpy(inv) + torch.from_numpy(bias))
+        torch.testing.assert_close(pb.confidences.double(), expected, rtol=0, atol=1e-5)
+
+
 def _deepspec_keys(num_layers: int, learned_mask: bool) -> set[str]:
     keys = {
         "fc.weight",

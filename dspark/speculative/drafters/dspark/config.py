@@ -2,7 +2,9 @@
 
 The file is a Qwen3-style config (hidden_size, heads, intermediate_size, num_hidden_layers, ...) for the draft layers
 plus the drafter's own keys, found at the top level or under "dspark_config" (DeepSpec) or "dflash_config" (DFlash):
-block_size (K), target_layer_ids, mask_token_id, markov_rank, confidence_head, sts_temperatures, sts_biases.
+block_size (K), target_layer_ids, mask_token_id, markov_rank, confidence_head, and the confidence calibration:
+sts_temperatures and sts_biases (one fit for every request), or sts_by_temperature (fits at several sampling
+temperatures, speculative/calibration.py's StsTable).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from dspark.errors import ModelLoadError, shown
 from dspark.models.config import ModelConfig
+from dspark.speculative.calibration import StsEntry, StsTable
 
 ARCHITECTURE = "DSparkDraftModel"
 NESTED_KEYS = ("dspark_config", "dflash_config")
@@ -28,6 +31,7 @@ OWN_KEYS = (
     "confidence_head",
     "sts_temperatures",
     "sts_biases",
+    "sts_by_temperature",
     "num_target_layers",
 )
 
@@ -63,6 +67,7 @@ class DSparkConfig:
     mask_token_id: int | None = None
     sts_temperatures: tuple[float, ...] | None = None  # per-position calibration (Sequential Temperature Scaling)
     sts_biases: tuple[float, ...] | None = None  # per-position shifts of the scaled logits (train/calibrate.py)
+    sts_by_temperature: tuple[StsEntry, ...] | None = None  # fits per sampling temperature (instead of the two above)
 
     def __post_init__(self) -> None:
         positive = (
@@ -99,6 +104,21 @@ class DSparkConfig:
             raise ValueError(f"sts_temperatures has {len(self.sts_temperatures)} values, block_size={self.block_size}")
         if self.sts_biases is not None and len(self.sts_biases) != self.block_size:
             raise ValueError(f"sts_biases has {len(self.sts_biases)} values, block_size={self.block_size}")
+        if self.sts_by_temperature is not None:
+            if self.sts_temperatures is not None or self.sts_biases is not None:
+                raise ValueError("sts_by_temperature replaces sts_temperatures and sts_biases: give one or the other")
+            table = StsTable(self.sts_by_temperature)
+            if table.num_positions != self.block_size:
+                raise ValueError(
+                    f"sts_by_temperature has {table.num_positions} positions, block_size={self.block_size}"
+                )
+
+    @property
+    def sts_table(self) -> StsTable:
+        """The confidence calibration (the identity when none was fitted)."""
+        if self.sts_by_temperature is not None:
+            return StsTable(self.sts_by_temperature)
+        return StsTable.single(self.block_size, self.sts_temperatures, self.sts_biases)
 
     @property
     def layer_config(self) -> ModelConfig:
@@ -229,6 +249,7 @@ class DSparkConfig:
                 mask_token_id=mine.integer("mask_token_id", None, minimum=0),
                 sts_temperatures=mine.numbers("sts_temperatures"),
                 sts_biases=mine.numbers("sts_biases", positive=False),
+                sts_by_temperature=mine.sts_entries("sts_by_temperature"),
             )
         except ValueError as e:  # __post_init__'s checks across fields
             raise ModelLoadError(f"{source}: config.json has an invalid value ({e})") from None
@@ -299,6 +320,30 @@ class _Reader:
         if not isinstance(value, list) or not all(_is_number(v) and (v > 0 or not positive) for v in value):
             raise self._bad(key, value, f"must be a list of {'positive ' if positive else ''}finite numbers")
         return tuple(float(v) for v in value)
+
+    def sts_entries(self, key: str) -> tuple[StsEntry, ...] | None:
+        value = self._get(key, None)
+        if value is None:
+            return None
+        allowed = (
+            "must be a non-empty list of {sampling_temperature: a number >= 0, temperatures: [positive numbers],"
+            " biases: [numbers]}"
+        )
+        if not isinstance(value, list) or not value:
+            raise self._bad(key, value, allowed)
+        entries = []
+        for i, item in enumerate(value):
+            if not isinstance(item, dict) or set(item) != {"sampling_temperature", "temperatures", "biases"}:
+                raise self._bad(f"{key}[{i}]", item, allowed)
+            entry = _Reader(self.source, item, f"{self.prefix}{key}[{i}].")
+            t = item["sampling_temperature"]
+            if not _is_number(t) or t < 0:
+                raise entry._bad("sampling_temperature", t, "must be a finite number >= 0")
+            temps, biases = entry.numbers("temperatures"), entry.numbers("biases", positive=False)
+            if temps is None or biases is None:
+                raise self._bad(f"{key}[{i}]", item, allowed)
+            entries.append(StsEntry(float(t), temps, biases))
+        return tuple(entries)
 
 
 def _is_int(value: Any) -> bool:

@@ -63,10 +63,13 @@ class DSparkDrafter:
             for _ in range(cfg.num_layers)
         ]
         self.backend = backend if backend is not None else TorchAttention()
-        temps = cfg.sts_temperatures or (1.0,) * cfg.block_size
-        self.inv_temperature = 1.0 / torch.tensor(temps[:num_tokens], dtype=torch.float32, device=device)
-        biases = cfg.sts_biases or (0.0,) * cfg.block_size
-        self.bias = torch.tensor(biases[:num_tokens], dtype=torch.float32, device=device)
+        # The calibration's fits ([E] sampling temperatures; [E, k] logit scales 1/T and shifts), interpolated per
+        # request on the device (StsTable.at's arithmetic) so that a captured drafting pass reads no host value.
+        points, inv, bias = cfg.sts_table.scales()
+        self.sts_range = (float(points[0]), float(points[-1]))
+        self.sts_points = torch.tensor(points, dtype=torch.float32, device=device)
+        self.inv_temperature = torch.tensor(inv[:, :num_tokens], dtype=torch.float32, device=device)
+        self.bias = torch.tensor(bias[:, :num_tokens], dtype=torch.float32, device=device)
         self.graphs: DraftGraphs | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # deferred context rows
         self._pending_rows = 0
@@ -187,6 +190,19 @@ class DSparkDrafter:
         tokens, probs, confidences = self.block(self.backend, meta, anchor_ids, pos, temps, greedy, u_all)
         return Proposal(Download(tokens), probs, confidences)
 
+    def scaling(self, temps: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The calibration of each request's confidences ([R] softmax temperatures and greedy flags): logit scales
+        and shifts, [k] when one fit serves every temperature, else [R, k] interpolated at its temperature."""
+        if self.sts_points.shape[0] == 1:
+            return self.inv_temperature[0], self.bias[0]
+        t = torch.where(greedy, 0.0, temps).clamp(*self.sts_range)
+        hi = torch.searchsorted(self.sts_points, t, right=True).clamp(1, self.sts_points.shape[0] - 1)
+        lo = hi - 1
+        w = ((t - self.sts_points[lo]) / (self.sts_points[hi] - self.sts_points[lo]))[:, None]
+        inv, bias = self.inv_temperature, self.bias
+        # lerp is exact at w = 0 and 1: a request at a fitted temperature gets that fit's very values.
+        return torch.lerp(inv[lo], inv[hi], w), torch.lerp(bias[lo], bias[hi], w)
+
     def block(
         self,
         backend: AttentionBackend,
@@ -220,6 +236,7 @@ class DSparkDrafter:
         confidences = None
         if drafts.confidence_logits is not None:
             # NOTE: not torch.sigmoid, whose vectorised loop gives an element different bits by where it sits.
-            scaled = drafts.confidence_logits[:num_reqs] * self.inv_temperature + self.bias
+            inv, bias = self.scaling(temps[:num_reqs], greedy[:num_reqs])
+            scaled = drafts.confidence_logits[:num_reqs] * inv + bias
             confidences = 1 / (1 + torch.exp(-scaled))
         return drafts.tokens[:num_reqs], drafts.probs, confidences
