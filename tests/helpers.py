@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import zmq
 
-from dspark.config import SamplingParams
+from dspark.config import EngineConfig, SamplingParams
+from dspark.engine.core_proc import StartFailed, output_encoder
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -231,3 +233,14 @@ def batch_workload(
                 )
             )
     return prompts, params
+
+
+def fail_to_start(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
+    """A core that says it failed to start, and exits (run_core's way: the message is flushed before the exit)."""
+    ctx = zmq.Context()
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.connect(output_address)
+    outputs.send(output_encoder.encode(StartFailed("RuntimeError: no device")))
+    outputs.close()
+    ctx.term()

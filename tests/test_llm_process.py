@@ -6,9 +6,11 @@ step or is killed raises, never hangs."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -101,6 +103,7 @@ def test_chat_equals_the_in_process_llms(llms: tuple[LLM, LLM]) -> None:
 
 def test_a_refused_prompt_raises_the_same_config_error_and_nothing_runs(llms: tuple[LLM, LLM]) -> None:
     process = llms[1]
+    before = [llm.get_metrics() for llm in llms]
     too_long = [5] * ENGINE["max_model_len"]
     for prompts, params in [
         ([PROMPTS[0], too_long], GREEDY),  # the second is refused: the first must not run either
@@ -116,7 +119,11 @@ def test_a_refused_prompt_raises_the_same_config_error_and_nothing_runs(llms: tu
     assert not process._front.has_unfinished_requests()  # type: ignore[union-attr]
     after = _both(llms, "generate", PROMPTS[:2], GREEDY)
     assert after[0] == after[1]
-    assert process.get_metrics()["kv_num_used_blocks"] == 0
+    # Nor did the core get any of a refused call's prompts: it made only the tokens of the two answers since.
+    metrics = [llm.get_metrics() for llm in llms]
+    generated = [m["num_generation_tokens"] - b["num_generation_tokens"] for m, b in zip(metrics, before, strict=True)]
+    assert generated == [2 * GREEDY.max_tokens] * 2
+    assert metrics[1]["kv_num_used_blocks"] == 0 and metrics[1]["num_requests_running"] == 0
 
 
 def test_ctrl_c_aborts_the_requests(llms: tuple[LLM, LLM]) -> None:
@@ -200,6 +207,7 @@ def test_the_in_process_engine_is_not_there(llms: tuple[LLM, LLM]) -> None:
 
 
 def test_shutdown_and_with_stop_the_core(model: Path) -> None:
+    hooks = atexit._ncallbacks()
     with LLM(str(model), engine_process=True, **ENGINE) as llm:
         pid = _core_pid(llm)
         assert llm.generate(PROMPTS[0], GREEDY)[0].finished
@@ -207,14 +215,17 @@ def test_shutdown_and_with_stop_the_core(model: Path) -> None:
     with pytest.raises(EngineDeadError, match="shut down"):
         llm.generate(PROMPTS[0], GREEDY)
     llm.shutdown()  # again: nothing to do
+    assert atexit._ncallbacks() == hooks
 
 
 def test_garbage_collection_and_exit_stop_the_core(model: Path) -> None:
+    hooks = atexit._ncallbacks()
     llm = LLM(str(model), engine_process=True, **ENGINE)
     pid = _core_pid(llm)
     del llm
     gc.collect()
     assert _gone(pid)
+    assert atexit._ncallbacks() == hooks, "an exit hook per LLM: many LLMs would pile them up"
     # The interpreter's exit, without shutdown(): before multiprocessing's exit hook, which would wait for ever for a
     # core that ignores SIGTERM.
     script = (
@@ -223,18 +234,46 @@ def test_garbage_collection_and_exit_stop_the_core(model: Path) -> None:
         "llm.generate('Hello'); print(llm._front.core_pid, flush=True)"
     )
     child = subprocess.Popen([sys.executable, "-c", script, str(model)], stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    pid = int(child.stdout.readline())
-    started = time.monotonic()
-    assert child.wait(timeout=60) == 0
-    assert time.monotonic() - started < 10 and _gone(pid)
+    try:
+        assert child.stdout is not None
+        assert select.select([child.stdout], [], [], 120)[0], "the child's LLM did not answer"
+        pid = int(child.stdout.readline())
+        started = time.monotonic()
+        assert child.wait(timeout=60) == 0
+        assert time.monotonic() - started < 10 and _gone(pid)
+    finally:
+        if child.poll() is None:  # it hangs: killed, its core then exits with it
+            child.kill()
+            child.wait()
 
 
 def test_a_core_that_fails_to_start_raises_its_reason(model: Path) -> None:
     before = {p.pid for p in _children()}
+    hooks = atexit._ncallbacks()
     with pytest.raises(EngineDeadError, match="failed to start: ConfigError: max_model_len=4096"):
         LLM(str(model), engine_process=True, **{**ENGINE, "max_model_len": 4096})
-    assert {p.pid for p in _children()} <= before
+    assert {p.pid for p in _children()} <= before and atexit._ncallbacks() == hooks
+
+
+def _loading_for_ever(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
+    """A core that never gets ready, deaf to Ctrl-C and SIGTERM as run_core is; it goes with its parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while os.getppid() == parent_pid:
+        time.sleep(0.1)
+
+
+def test_ctrl_c_while_the_core_loads_stops_it(model: Path) -> None:
+    before = {p.pid for p in _children()}
+    hooks = atexit._ncallbacks()
+    timer = threading.Timer(2.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            SyncCoreFront(EngineConfig(model=str(model), **ENGINE), core_target=_loading_for_ever)
+    finally:
+        timer.join()
+    assert {p.pid for p in _children()} <= before and atexit._ncallbacks() == hooks
 
 
 class _FaultyCore(EngineCore):

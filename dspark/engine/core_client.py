@@ -35,6 +35,7 @@ from dspark.engine.core_proc import (
 )
 
 logger = logging.getLogger("dspark")
+DRAIN_S = 0.2  # once the core has ended, how long a front waits for the messages it sent just before
 
 
 class CoreProcessClient:
@@ -67,7 +68,10 @@ class CoreProcessClient:
                 input_address, output_address, self.pid = attach
                 self._pidfd = os.pidfd_open(self.pid)  # readable once the process ends; ours is not its parent
                 self._bind(input_address, output_address)
-        except BaseException:  # nothing left behind: sockets, context, the sockets' directory
+        except BaseException:  # nothing left behind: the core (it ignores SIGTERM), sockets, context, their directory
+            if self.process is not None and self.process.pid is not None:
+                self.process.kill()
+                self.process.join(5)
             self.ctx.destroy(linger=0)
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
@@ -125,10 +129,11 @@ class CoreProcessClient:
         code = self.process.exitcode
         return f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
 
-    def terminate(self) -> None:
-        """Stop a core nobody can read any more (ours only: an attached front leaves that to the launcher)."""
+    def kill(self) -> None:
+        """Stop a core nobody can read any more (ours only: an attached front leaves that to the launcher). SIGKILL:
+        the core ignores SIGTERM."""
         if self.process is not None:
-            self.process.terminate()
+            self.process.kill()
 
     def send(self, msg: CoreInput) -> None:
         """Queue an input for the core (ZeroMQ sends it in the background; never blocks the loop). A blocking client
@@ -167,8 +172,12 @@ class CoreProcessClient:
             self._poller.register(self.outputs, zmq.POLLIN)
             self._poller.register(self.sentinel, zmq.POLLIN)
         ready = dict(self._poller.poll(None if timeout is None else max(0, round(timeout * 1000))))
-        if self.outputs not in ready:
-            return None if ready else []  # the core's end (its sentinel), or nothing in time
+        if not ready:
+            return []
+        # Only the core's end (its sentinel): what it sent just before it exited (a StartFailed, final outputs) may
+        # still be with ZeroMQ's I/O thread, on its way to the socket. Read first; the end is reported once none comes.
+        if self.outputs not in ready and not self.outputs.poll(round(DRAIN_S * 1000)):
+            return None
         messages = []
         while True:
             try:
@@ -186,16 +195,13 @@ class CoreProcessClient:
                 pass
 
     def close(self, timeout: float = 10.0) -> None:
-        """Wait for the core to stop (after request_shutdown), terminating it past the timeout; then close the
-        sockets. Blocks: run it in a thread from an event loop."""
+        """Wait for the core to stop (after request_shutdown), killing it past the timeout (it ignores SIGTERM); then
+        close the sockets. Blocks: run it in a thread from an event loop."""
         process = self.process
         if process is not None and process.is_alive():
             process.join(timeout)
         if process is not None and process.is_alive():
-            logger.error("the engine core did not stop within %.0f s; terminating it", timeout)
-            process.terminate()
-            process.join(5)
-        if process is not None and process.is_alive():
+            logger.error("the engine core did not stop within %.1f s; killing it", timeout)
             process.kill()
             process.join(5)
         self.inputs.close(0)

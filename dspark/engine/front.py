@@ -130,7 +130,7 @@ class CoreFront:
         self._log.critical("reading the engine core's messages failed", exc_info=error)
         self.dead = EngineDeadError(f"the front failed to read the engine core: {type(error).__name__}: {error}")
         if self._client is not None:
-            self._client.terminate()
+            self._client.kill()
         return self.dead
 
     def _handle(self, messages: list[CoreMessage]) -> None:

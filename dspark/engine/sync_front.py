@@ -16,6 +16,7 @@ import atexit
 import functools
 import itertools
 import logging
+import multiprocessing.util  # noqa: F401 (its exit hook must be registered before _stop_all)
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -53,20 +54,18 @@ class SyncCoreFront(CoreFront):
             from dspark.engine.core import EngineCore
 
             core_target = functools.partial(core_target, make_core=functools.partial(EngineCore, cost_model=cost_model))
-        client = CoreProcessClient(config, core_target, blocking=True)
+        client = CoreProcessClient(config, core_target, blocking=True)  # kills the core if it raises once it started
         self._client = client
         # Garbage collection stops the core too (a function, not a method of self: that would keep self alive), and so
-        # does the interpreter's exit: before multiprocessing's own exit hook (registered before this one, so run after
-        # it), which would wait for ever for a core that ignores SIGTERM.
+        # does the interpreter's exit (_stop_all).
         self._finalizer = weakref.finalize(self, _stop_core, client, shutdown_timeout)
         self._finalizer.atexit = False
-        atexit.register(self._finalizer)
+        _FRONTS.add(self)
         try:
             while self._input_processor is None:
                 self._receive(None)
         except BaseException:  # it failed to start, or Ctrl-C while it loads: nothing of it to keep
-            if client.process is not None and client.process.is_alive():
-                client.process.kill()
+            client.kill()  # at once: a loading core reads no Shutdown, and it ignores SIGINT and SIGTERM
             self.shutdown()
             raise
 
@@ -80,7 +79,7 @@ class SyncCoreFront(CoreFront):
         self.output_processor.abort(list(self.output_processor.states))
         self._stopped.clear()
         self._finalizer()
-        atexit.unregister(self._finalizer)
+        _FRONTS.discard(self)
 
     # ---- requests -------------------------------------------------------------------------------------------------
 
@@ -181,3 +180,18 @@ class SyncCoreFront(CoreFront):
 def _stop_core(client: CoreProcessClient, timeout: float) -> None:
     client.request_shutdown()
     client.close(timeout)
+
+
+# The fronts whose core the interpreter's exit stops: weakly held, so that a front garbage collected (its core stopped
+# by its finalizer) or shut down leaves nothing behind, however many LLMs a process makes.
+_FRONTS: weakref.WeakSet[SyncCoreFront] = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    for front in list(_FRONTS):
+        front._finalizer()
+
+
+# Registered once, after multiprocessing's exit hook (imported above), so run before it: that hook joins the core,
+# which ignores SIGTERM, and would wait for ever.
+atexit.register(_stop_all)

@@ -31,6 +31,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from dspark.outputs import RequestOutput
@@ -284,8 +285,24 @@ class _EngineCollector(Collector):
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.engine = metrics.engine
+        self._highest: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # counter sample -> value exported
 
     def collect(self) -> Iterator[Metric]:
+        # A Prometheus counter never goes down; the engine's counts can (the core in its own process takes back tokens
+        # past a stop string after counting them), so each counter is exported as its highest value yet: tokens a
+        # scrape saw before they were taken back stay counted until new ones make up for them.
+        for family in self._families():
+            if family.type == "counter":
+                family.samples = [self._never_lower(sample) for sample in family.samples]
+            yield family
+
+    def _never_lower(self, sample: Sample) -> Sample:
+        key = (sample.name, tuple(sorted(sample.labels.items())))
+        value = max(sample.value, self._highest.get(key, sample.value))
+        self._highest[key] = value
+        return sample._replace(value=value)
+
+    def _families(self) -> Iterator[Metric]:
         state = self.metrics.merged_state()
         snapshot = {**self.engine.metrics(), **state["counters"]}
         for histogram in self.metrics.histograms:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dspark.config import EngineConfig, SamplingParams
-from dspark.engine.core_client import CoreProcessClient
+from dspark.engine.core_client import DRAIN_S, CoreProcessClient
 from dspark.engine.core_proc import Ready, StartFailed, run_core
 from dspark.engine.front import CoreFront
 from dspark.engine.input_processor import InputProcessor
@@ -129,6 +129,12 @@ class ProcessEngine(CoreFront):
     def _core_exited(self) -> None:
         assert self._loop is not None and self._client is not None
         self._loop.remove_reader(self._client.sentinel)
+        # What the core sent just before it exited (a StartFailed and its reason, final outputs) may still be on its
+        # way through ZeroMQ: the reader gets DRAIN_S to deliver it before the core is declared dead.
+        self._loop.call_later(DRAIN_S, self._declare_dead)
+
+    def _declare_dead(self) -> None:
+        assert self._client is not None
         if self._stopping:
             return
         how = self._client.how_it_ended()

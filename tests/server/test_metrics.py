@@ -1,6 +1,6 @@
 """/metrics of a live server with n-gram speculation and adaptive verification: the named series are there and move
 after requests; a client that disconnects (mid-stream, or while waiting for a whole response) aborts its request,
-and the running requests and used KV blocks return to 0."""
+and the running requests and used KV blocks return to 0. A counter never goes down, even when the engine's does."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -17,6 +18,7 @@ import pytest
 from server_harness import MODEL_NAME, drained, live_server, make_engine, metric, scrape, wait_for
 
 from dspark.engine.llm_engine import LLMEngine
+from dspark.server.metrics import ServerMetrics
 from helpers import hold_drafting
 
 PROMPT = "one two three four five one two three four five one two three"
@@ -128,3 +130,20 @@ def test_disconnect_aborts_and_frees_blocks(server: tuple[str, LLMEngine], strea
     )
     generated = metric(after, "dspark:generation_tokens_total") - metric(before, "dspark:generation_tokens_total")
     assert 0 < generated < LONG["max_tokens"], "the request ran to its end: it was never aborted"
+
+
+def test_a_counter_never_goes_down_when_the_engine_takes_tokens_back() -> None:
+    """The core in its own process counts tokens past a stop string, and takes them back once the front says so: a
+    scrape in between must not see generation_tokens_total go down (Prometheus would read a reset)."""
+    counts = {"num_generation_tokens": 10}
+    engine = SimpleNamespace(metrics=lambda: dict(counts), num_step_errors=0, alive=True)
+    metrics = ServerMetrics(engine)  # type: ignore[arg-type]
+
+    def exported() -> float:
+        return metric(metrics.render().decode(), "dspark:generation_tokens_total")
+
+    assert exported() == 10
+    counts["num_generation_tokens"] = 7  # 3 tokens past a stop string, taken back after that scrape
+    assert exported() == 10
+    counts["num_generation_tokens"] = 12  # new tokens make up for them
+    assert exported() == 12

@@ -27,6 +27,7 @@ from dspark.engine.messages import EngineCoreOutput
 from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dspark.server.async_engine import RequestGroup
 from dspark.server.process_engine import ProcessEngine
+from helpers import fail_to_start
 
 
 def _config(model: Path) -> EngineConfig:
@@ -208,3 +209,30 @@ def test_a_reader_that_fell_behind_gets_a_requests_queued_deltas_as_one() -> Non
         (0, "z", [3], True),
     ]
     assert got[1][1].outputs[0].token_ids == [7, 8] and got[1][1].metrics.num_generation_tokens == 8
+
+
+def test_a_core_that_fails_to_start_is_reported_with_its_reason_even_when_its_exit_is_seen_first(
+    tiny_llama: Path,
+) -> None:
+    """The core sends StartFailed and exits; here the front reads its messages late (its reader restarted once the
+    exit was seen), so the exit comes before the message: the front still reports the core's reason, not only its
+    exit code."""
+
+    async def run() -> str:
+        engine = ProcessEngine(_config(tiny_llama), core_target=fail_to_start)
+        engine.start()
+        assert engine._reader is not None
+        engine._reader.cancel()
+        waiting = asyncio.get_running_loop().create_task(engine.wait_ready(30))  # as the server's start-up does
+        assert engine._client is not None and engine._client.process is not None
+        while engine._client.process.exitcode is None:  # the core has sent StartFailed and exited
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the loop has seen the exit (the sentinel's callback ran)
+        engine._reader = asyncio.get_running_loop().create_task(engine._read())
+        with pytest.raises(Exception) as failed:
+            await waiting
+        await engine.shutdown()
+        return str(failed.value)
+
+    reason = asyncio.run(run())
+    assert "no device" in reason, reason
