@@ -6,7 +6,7 @@
 #                 later gen run adds a shard, with other seeds); all shards are merged into $R/main/sequences.npz;
 #   PHASE=train : `dspark train-drafter` trains or resumes the main drafter for MAIN_S seconds, bf16, BATCH sequences
 #                 of BLOCKS blocks a step, checkpointed (run it again to train on: the schedule spans MAIN_STEPS);
-#   PHASE=finish: calibrate (STS with shift on held-out prompts, a fit at each of CAL_TEMPS, default "0 1"), then
+#   PHASE=finish: calibrate (STS with shift on held-out prompts, a fit at each of CAL_TEMPS, default "1"), then
 #                 `dspark eval-drafter` at T = 0 and T = 1 on the first 80 prompts of gsm8k, humaneval, mbpp and
 #                 mt-bench of $DATA/deepspec_eval (those present).
 # PHASE may name several, run in that order in one command: PHASE="gen train finish" on a fresh machine. INIT=DIR
@@ -108,7 +108,7 @@ if has finish; then
   D="$R/main/drafter"
   [ -e "$D/config.json" ] || { echo "finish: no drafter in $D: run PHASE=train first"; exit 1; }
   EV=("${ENGINE[@]}" --gpu-memory-utilization 0.5)
-  timeout "$CAL_S" "$PY" -m dspark calibrate-drafter "$D" --dataset "$R/heldout.jsonl" --temperature ${CAL_TEMPS:-0 1} \
+  timeout "$CAL_S" "$PY" -m dspark calibrate-drafter "$D" --dataset "$R/heldout.jsonl" --temperature ${CAL_TEMPS:-1} \
     "${CAL[@]}" "${EV[@]}" 2>&1 | quiet | tee "$R/calibrate.log" | tail -n 4
   for t in 0 1; do
     plot=(); [ "$t" = 1 ] && plot=(--output-plot "$R/reliability-t1.png")
