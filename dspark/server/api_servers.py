@@ -55,9 +55,11 @@ def serve_on(
     log_level: str,
     sock: socket.socket,
     log_prefix: str = "",
+    stop_asked: threading.Event | None = None,
 ) -> int:
     """Serve the app of `engine` on a bound socket until stopped: 0, or 1 if the engine core failed to start.
-    log_prefix: before each of uvicorn's log lines (which of several API servers wrote it)."""
+    log_prefix: before each of uvicorn's log lines (which of several API servers wrote it). stop_asked: set by a
+    SIGTERM that came before serving (then this serves nothing and returns)."""
     import uvicorn
     from uvicorn.config import LOGGING_CONFIG
 
@@ -77,6 +79,12 @@ def serve_on(
         formatter["fmt"] = log_prefix + formatter["fmt"]
     config = uvicorn.Config(app, log_level=log_level, log_config=log_config, timeout_graceful_shutdown=GRACEFUL_S)
     server = uvicorn.Server(config)
+    if stop_asked is not None:
+        # From here a SIGTERM stops the server even before uvicorn takes the signal over (as it starts), and one that
+        # came earlier does now: the launcher sends it once, so a stop lost while starting would leave it waiting.
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
+        if stop_asked.is_set():
+            server.should_exit = True
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again: a normal stop here
@@ -257,9 +265,10 @@ def run_front(
 ) -> None:
     """An API server's process (spawned by the launcher)."""
     os.setpgid(0, 0)  # out of the terminal's process group: Ctrl-C reaches the launcher, which stops us once
-    # uvicorn handles SIGTERM while it serves, then raises it again once stopped: ignored then, so that a graceful
-    # stop ends this process with 0 rather than -15.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    # uvicorn handles SIGTERM while it serves, then raises it again once stopped: not fatal then, so that a graceful
+    # stop ends this process with 0 rather than -15. Before serving it is remembered (serve_on stops at once).
+    stop_asked = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop_asked.set())
     log = logging.getLogger("dspark")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[api server {slot.index}] %(message)s"))
@@ -268,7 +277,7 @@ def run_front(
     launcher = os.getppid()
     threading.Thread(target=_exit_with_launcher, args=(launcher,), name="launcher-watch", daemon=True).start()
     engine = ProcessEngine(config, slot=slot)
-    code = serve_on(engine, names, api_key, max_body_bytes, log_level, sock, f"[api server {slot.index}] ")
+    code = serve_on(engine, names, api_key, max_body_bytes, log_level, sock, f"[api server {slot.index}] ", stop_asked)
     raise SystemExit(code)
 
 

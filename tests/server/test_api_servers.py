@@ -351,3 +351,22 @@ def test_the_launcher_sees_an_api_server_that_dies_before_it_can_be_reaped(monke
     threading.Timer(0.2, fronts[1].exit, args=(-9,)).start()
     assert api_servers._supervise(core, fronts, _Control()) == 1  # type: ignore[arg-type]
     assert signals == [(101, signal.SIGTERM)] and core.exitcode == 0
+
+
+def test_a_sigterm_before_serving_stops_the_api_server(tiny_llama: Path) -> None:
+    """An API server told to stop while it starts (the launcher stops the others when one dies, once): the signal is
+    remembered as run_front remembers it, and serve_on then starts, serves nothing and returns, rather than losing the
+    signal and leaving the launcher waiting for ever."""
+    from server_harness import make_engine
+
+    stop_asked = threading.Event()
+    sock = api_servers.bind("127.0.0.1", 0)[0]
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop_asked.set())
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # while the API server loads its engine
+        started = time.monotonic()
+        code = api_servers.serve_on(make_engine(tiny_llama), ["tiny"], None, 1 << 20, "warning", sock, "", stop_asked)
+        assert code == 0 and time.monotonic() - started < 30
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
