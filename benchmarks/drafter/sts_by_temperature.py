@@ -69,7 +69,7 @@ def main() -> None:
             inv, bias = scaling.at(np.full(len(blocks), row["temperature"]))
             p = calibrated_survival(z, (1 / inv[0]).tolist(), bias[0].tolist())
             ece[name] = expected_calibration_error(p, survived)
-        assert abs(ece["table"] - row["ece_after"]) < 1e-9 or row["ece_after"] is None, (ece, row["ece_after"])
+        assert row["ece_after"] is None or abs(ece["table"] - row["ece_after"]) < 1e-9, (ece, row["ece_after"])
         rescored.append({"dataset": row["dataset"], "temperature": row["temperature"], "tau": row["tau"], **ece})
     out = {
         "command": " ".join(sys.argv),

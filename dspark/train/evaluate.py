@@ -91,9 +91,8 @@ def run_prompts(llm: LLM, prompts: list[str], temperature: float, max_tokens: in
 
 
 def full_blocks(trace: Trace, request_ids: Sequence[str] | None = None) -> Blocks:
-    """The trace's blocks with all K drafts verified (with fixed k every held draft is verified), of some requests."""
-    keep = trace.streams.keys() if request_ids is None else request_ids
-    blocks = [b for rid in keep for b in trace.streams.get(rid, []) if b.num_drafts == trace.K]
+    """full blocks as tensors: their confidences [N, K] and accepted drafts [N]."""
+    blocks = _trace_blocks(trace, request_ids)
     conf = torch.tensor([b.confidences for b in blocks], dtype=torch.float64).reshape(len(blocks), trace.K)
     return conf, torch.tensor([b.accepted for b in blocks], dtype=torch.long)
 
@@ -138,6 +137,7 @@ def calibration(blocks: Blocks, stored: Scaling, after: Scaling) -> dict[str, An
 
 
 def _trace_blocks(trace: Trace, request_ids: Sequence[str] | None = None) -> list[Block]:
+    """The trace's blocks with all K drafts verified (with fixed k every held draft is verified), of some requests."""
     keep = trace.streams.keys() if request_ids is None else request_ids
     return [b for rid in keep for b in trace.streams.get(rid, []) if b.num_drafts == trace.K]
 
