@@ -61,6 +61,8 @@ def build_app(
     async def watch_start() -> None:
         try:
             await async_engine.wait_ready()
+            if peers is not None:
+                peers.mark_ready()
         except EngineDeadError:  # the core could not start (the log says why): a server that can serve nothing
             if on_start_failure is not None:
                 on_start_failure()
@@ -91,6 +93,9 @@ def build_app(
             return error_response(503, "the engine is starting (loading the model)")
         if not async_engine.alive:
             return error_response(503, "the engine is not running; the server log says why")
+        if peers is not None and not peers.all_ready():
+            ready = peers.num_ready()
+            return error_response(503, f"the engine is starting ({ready} of {peers.count} API servers ready)")
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")

@@ -168,11 +168,14 @@ class _Histogram:
 
 
 class FrontPeers:
-    """The API servers' shared directory of counts: this one's file, and reading the others'."""
+    """The API servers' shared directory of counts: this one's file, and reading the others'. It also says when every
+    API server is ready: each takes its own Ready from the core in its own time, and /health answers 200 only once
+    all have, so that no request sent after a 200 lands on one still starting (SO_REUSEPORT picks any)."""
 
     def __init__(self, directory: str, index: int, count: int) -> None:
         self.dir, self.index, self.count = Path(directory), index, count
         self._published: dict[str, Any] | None = None
+        self._all_ready = False  # once true, for good: an API server that dies stops them all (server/api_servers.py)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(dict[str, Any])
 
@@ -184,6 +187,17 @@ class FrontPeers:
         temporary.write_bytes(self._encoder.encode(state))
         os.replace(temporary, path)  # atomic: a reader sees the old counts or the new ones, never half a file
         self._published = state
+
+    def mark_ready(self) -> None:
+        (self.dir / f"ready-{self.index}").touch()
+
+    def num_ready(self) -> int:
+        return sum((self.dir / f"ready-{i}").exists() for i in range(self.count))
+
+    def all_ready(self) -> bool:
+        if not self._all_ready:
+            self._all_ready = self.num_ready() == self.count
+        return self._all_ready
 
     def others(self) -> list[dict[str, Any]]:
         states = []

@@ -4,6 +4,7 @@ every API server's streams; Ctrl-C drains them all; an API server that dies stop
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing.connection
 import os
@@ -18,10 +19,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from server_harness import live_server, wait_for
 from test_process_engine import _complete, _status
 from test_serve_cli import _serve
 
-from dspark.config import SamplingParams
+from dspark.config import EngineConfig, SamplingParams
 from dspark.engine.core_proc import (
     AbortRequests,
     AddRequests,
@@ -34,6 +36,7 @@ from dspark.engine.messages import EngineCoreOutput, EngineCoreRequest
 from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dspark.server import api_servers
 from dspark.server.metrics import FrontPeers, ServerMetrics
+from dspark.server.process_engine import FrontSlot, ProcessEngine
 
 # ---- the core's routing -------------------------------------------------------------------------------------------
 
@@ -161,6 +164,29 @@ def test_metrics_add_up_across_api_servers(tmp_path: Path) -> None:
     assert _sample(servers[2].render().decode(), "dspark:num_requests_finished_total") == 9
 
 
+class _ReadyFront(ProcessEngine):
+    """One of two API servers whose core is ready at once (no process): /health must still wait for the other."""
+
+    def start(self) -> None:
+        self._ready = asyncio.Event()
+        self._input_processor = SimpleNamespace()  # type: ignore[assignment]
+        self._ready.set()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+
+
+def test_health_is_200_only_once_every_api_server_is_ready(tiny_llama: Path, tmp_path: Path) -> None:
+    config = EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu")
+    front = _ReadyFront(config, slot=FrontSlot(0, 2, "", "", 0, str(tmp_path)))
+    with live_server(front) as url:  # type: ignore[arg-type]
+        wait_for(lambda: (tmp_path / "ready-0").exists(), 10, "this API server to mark itself ready")
+        status, body = _status(url)
+        assert status == 503 and "1 of 2 API servers ready" in body, body
+        (tmp_path / "ready-1").touch()  # the other API server took its Ready
+        assert _status(url)[0] == 200
+
+
 # ---- the launcher, its API servers and its core, as processes ------------------------------------------------------
 
 FLAGS = ["--port", "0", "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "512"]
@@ -185,15 +211,11 @@ def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
 
 
 def _all_ready(url: str) -> None:
-    """_serve waits for one /health 200, but SO_REUSEPORT hands each connection to any API server, and another may
-    still be starting (503 "starting"): wait for 20 answers of 200 in a row (a starting one among 2 is missed with
-    probability 2^-20)."""
-    deadline, in_a_row = time.monotonic() + 60, 0
-    while in_a_row < 20:
-        assert time.monotonic() < deadline, "an API server did not become ready"
-        in_a_row = in_a_row + 1 if _status(url)[0] == 200 else 0
-        if not in_a_row:
-            time.sleep(0.2)
+    """_serve waited for one /health 200, which an API server answers only once every API server is ready: from then
+    on each connection, whichever API server the kernel hands it to (SO_REUSEPORT), is served (20 in a row: one
+    still starting among 2 would be missed with probability 2^-20)."""
+    answers = [_status(url)[0] for _ in range(20)]
+    assert answers == [200] * 20, answers
 
 
 def _open_stream(url: str, **body: object) -> Any:
