@@ -21,8 +21,9 @@ FIRST_PERIOD steps, so that a new level learns both rates in a handful of steps 
 turn the level to the other regime); then each gap doubles the last, and
 once both rates are known a burst may cost at most EXPLORE_SHARE of the time between bursts. That cost is counted in
 time, not steps: each millisecond of the slower regime loses (1 - slow rate / fast rate) of what the faster would have
-made. A level with nothing measured whose model verdict is plain with predicted costs (a Verdict with rates) spaces its
-first burst as those predictions would; the planner gives them only where drafting's cost was measured at this load or
+made; the slower rate is taken two standard errors up (its tokens per step swing), so that a drafter measured
+from a few steps in a hard stretch is revisited soon, not after a gap its unlucky mean earned. A level with nothing
+measured whose model verdict is plain with predicted costs (a Verdict with rates) spaces its first burst as those predictions would; the planner gives them only where drafting's cost was measured at this load or
 a lower one, so that they err towards drafting being cheap. The asymmetry is deliberate: a plain verdict that knows
 drafting's measured cost is the trustworthy side, and a drafting verdict still explores plain steps (cheap) early.
 
@@ -64,7 +65,9 @@ class _Level:
     rate: dict[bool, float] = field(default_factory=dict)  # drafting? -> tokens/ms (tokens / ms, averaged apart)
     ms: dict[bool, float] = field(default_factory=dict)  # drafting? -> ms per steady step
     tokens: dict[bool, float] = field(default_factory=dict)  # drafting? -> tokens per steady step
-    count: dict[bool, int] = field(default_factory=dict)  # drafting? -> steady steps measured
+    square: dict[bool, float] = field(default_factory=dict)  # drafting? -> tokens^2 per steady step (its spread)
+    count: dict[bool, int] = field(default_factory=dict)  # drafting? -> steady steps measured (capped by bursts)
+    seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # drafting? -> steady steps ever
     since: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # steps since each regime last ran
     period: int = FIRST_PERIOD
     burst: int = 0  # steps left in an exploration burst
@@ -196,7 +199,8 @@ class RegimeChooser:
         if floored and rate[False] != lv.rate[False]:
             ms = {True: ms[True], False: ms[False] * lv.rate[False] / rate[False]}  # the same tokens a step, faster
         rate = lv.rate if rate is None else rate
-        if len(rate) < 2 or len(ms) < 2:
+        measured = len(rate) == 2 and len(ms) == 2
+        if not measured:
             p = lv.predicted
             if p is None or p.rate is None or p.ms is None:
                 return 0
@@ -205,8 +209,22 @@ class RegimeChooser:
             return 0
         fast = max(rate, key=lambda regime: rate[regime])
         slow = not fast
-        lost_ms = BURST * ms[slow] * (1.0 - rate[slow] / rate[fast])
+        slow_rate = rate[slow] * RegimeChooser._optimism(lv, slow) if measured else rate[slow]
+        if slow_rate >= rate[fast]:
+            return 0  # the slower rate may be noise: the doubling period alone spaces the bursts
+        lost_ms = BURST * ms[slow] * (1.0 - slow_rate / rate[fast])
         return min(int(lost_ms / (EXPLORE_SHARE * max(ms[fast], 1e-6))), MAX_PERIOD)
+
+    @staticmethod
+    def _optimism(lv: _Level, regime: bool) -> float:
+        """1 + two standard errors of the regime's tokens per step, relative: a drafting rate measured from a step or
+        two (whose tokens swing from 1 to k + 1 a request) could be much higher, and a gap spaced by its mean would keep
+        a drafter that pays off for hundreds of steps when its first steps hit a hard stretch (1 run in 20 of a
+        simulated batch 8 where drafting pays 1.15x). Plain steps make a token a request: no spread, no optimism."""
+        mean = lv.tokens[regime]
+        spread = max(lv.square[regime] - mean * mean, 0.0) ** 0.5
+        samples = min(lv.seen[regime], (1 + TOKENS_DECAY) / (1 - TOKENS_DECAY))  # an average's effective size
+        return 1.0 + 2.0 * spread / (mean * samples**0.5) if mean > 0 and samples else 1.0
 
     def observe(self, num_requests: int, verified_drafts: bool, drafted: bool, tokens: int, ms: float) -> None:
         """One finished step: it counts for a regime only if steady (verified drafts and drafted again, or neither)."""
@@ -218,6 +236,8 @@ class RegimeChooser:
         w_ms, w_tokens = max(1 - DECAY, 1 / n), max(1 - TOKENS_DECAY, 1 / n)
         lv.ms[drafted] = (1 - w_ms) * lv.ms.get(drafted, 0.0) + w_ms * ms
         lv.tokens[drafted] = (1 - w_tokens) * lv.tokens.get(drafted, 0.0) + w_tokens * tokens
+        lv.square[drafted] = (1 - w_tokens) * lv.square.get(drafted, 0.0) + w_tokens * tokens * tokens
+        lv.seen[drafted] += 1
         lv.rate[drafted] = lv.tokens[drafted] / lv.ms[drafted]
 
     def rates(self) -> dict[int, dict[str, float]]:
