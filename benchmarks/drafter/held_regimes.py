@@ -1,0 +1,85 @@
+"""What each regime is worth on this machine, beside what adaptive verification chose: four engines in one process, the
+arms alternating in every round: no speculation, the drafter held plain (never drafting, its context kept), held
+drafting (every step, the budget still the planner's), and adaptive. Greedy, all prompts at once, EOS ignored.
+
+    python benchmarks/drafter/held_regimes.py OUT.json [--drafter D] [--sets gsm8k mt-bench] [--rounds 4]
+
+Per set: each arm's tokens/s and steps per round, the medians of paired ratios to no speculation, and the adaptive
+engine's learned tokens/ms per load level at the end (what its regime chooser believed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dspark.bench.spec import run_round
+from dspark.bench.throughput import drain, load_prompts, tokenize
+from dspark.config import SamplingParams
+from dspark.llm import LLM
+
+HELD = {"plain": False, "drafting": True, "adaptive": None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("output")
+    ap.add_argument("--drafter", default="dspark/assets/smollm2-135m-dspark")
+    ap.add_argument("--data", default="../shared/data/deepspec_eval")
+    ap.add_argument("--sets", nargs="+", default=["gsm8k", "mt-bench"])
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    result: dict[str, object] = {
+        "command": " ".join(sys.argv),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "sets": {},
+    }
+    for name in args.sets:  # fresh engines per set: what each learned on one set does not carry to the next
+        arms = {"none": LLM()}
+        for arm, held in HELD.items():
+            arms[arm] = LLM(speculative_config={"method": "dspark", "model": args.drafter})
+            arms[arm].engine.core.planner.regime.held = held
+        prompts = tokenize(arms["none"], load_prompts(str(Path(args.data) / f"{name}.jsonl"), args.num_prompts), True)
+        for llm in arms.values():  # warm-up
+            llm.engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
+            drain(llm.engine)
+        tok_s: dict[str, list[float]] = {arm: [] for arm in arms}
+        steps: dict[str, list[int]] = {arm: [] for arm in arms}
+        for r in range(args.rounds):
+            for arm, llm in arms.items():
+                llm.engine.kv.reset_prefix_cache()
+                before = llm.engine.get_metrics()["num_steps"]
+                done = run_round(llm.engine, prompts, params, f"{name} r{r + 1} {arm}")
+                tok_s[arm].append(done.output_throughput)
+                steps[arm].append(llm.engine.get_metrics()["num_steps"] - before)
+        regime = arms["adaptive"].engine.core.planner.regime
+        row = {
+            "tok_s": tok_s,
+            "steps": steps,
+            "vs_none": {
+                arm: statistics.median(a / b for a, b in zip(tok_s[arm], tok_s["none"], strict=True))
+                for arm in arms
+                if arm != "none"
+            },
+            "adaptive_regime_tokens_per_ms": regime.rates(),
+            "adaptive_chosen": regime.num_chosen,
+        }
+        result["sets"][name] = row  # type: ignore[index]
+        print(name, json.dumps(row["vs_none"]), file=sys.stderr)
+        del arms
+    Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

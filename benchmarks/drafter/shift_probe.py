@@ -1,0 +1,94 @@
+"""Adaptive verification across a workload shift: one engine per drafter runs a sequence of sets (by default GSM8K,
+where drafting pays, then MT-bench, where at batch 8 on CPU it does not), beside an engine without speculation, the
+arms alternating in every round. After each round it reads the regime chooser's learned rates per load level, so a
+regime that keeps drafting at a loss shows why.
+
+    python benchmarks/drafter/shift_probe.py OUT.json DRAFTER [DRAFTER ...] [--sets gsm8k mt-bench] [--rounds 2] \
+        [--batch-size 8]
+
+Per set and round: each arm's tokens/s, its share of drafting steps, and its regime's tokens/ms per level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dspark.bench.spec import run_round
+from dspark.bench.throughput import drain, load_prompts, tokenize
+from dspark.config import SamplingParams
+from dspark.llm import LLM
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("output")
+    ap.add_argument("drafters", nargs="+")
+    ap.add_argument("--data", default="../shared/data/deepspec_eval")
+    ap.add_argument("--sets", nargs="+", default=["gsm8k", "mt-bench"])
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=8, help="requests at once (the engines' max_num_seqs)")
+    args = ap.parse_args()
+    arms = {"none": LLM()} | {
+        f"d{i}": LLM(speculative_config={"method": "dspark", "model": d}) for i, d in enumerate(args.drafters)
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    prompts = {
+        name: tokenize(arms["none"], load_prompts(str(Path(args.data) / f"{name}.jsonl"), args.num_prompts), True)
+        for name in args.sets
+    }
+    for llm in arms.values():  # warm-up
+        llm.engine.scheduler.max_num_seqs = args.batch_size
+        llm.engine.add_request(prompts[args.sets[0]][0], SamplingParams(temperature=0.0, max_tokens=4))
+        drain(llm.engine)
+    rows = []
+    for name in args.sets:
+        for r in range(args.rounds):
+            row: dict[str, object] = {"set": name, "round": r + 1}
+            for arm, llm in arms.items():
+                llm.engine.kv.reset_prefix_cache()
+                before = llm.engine.get_metrics()
+                done = run_round(llm.engine, prompts[name], params, f"{name} r{r + 1} {arm}")
+                cell: dict[str, object] = {"tok_s": done.output_throughput}
+                planner = llm.engine.core.planner
+                if planner is not None:
+                    after = llm.engine.get_metrics()
+                    for key in (
+                        "num_steps",
+                        "spec_decode_num_steps_without_drafting",
+                        "spec_decode_num_accepted_tokens",
+                    ):
+                        cell[key] = after[key] - before[key]
+                    cell["regime_tokens_per_ms"] = planner.regime.rates()
+                    cell["regime_ms"] = {lvl: dict(lv.ms) for lvl, lv in planner.regime.levels.items()}
+                    cell["regime_tokens"] = {lvl: dict(lv.tokens) for lvl, lv in planner.regime.levels.items()}
+                    cell["regime_period"] = {lvl: lv.period for lvl, lv in planner.regime.levels.items()}
+                row[arm] = cell
+            for arm in arms:
+                if arm != "none":
+                    row[f"{arm}/none"] = row[arm]["tok_s"] / row["none"]["tok_s"]  # type: ignore[index]
+            rows.append(row)
+            print(json.dumps(row, default=str), file=sys.stderr)
+    summary = {
+        name: {
+            f"{arm}/none": statistics.median(row[f"{arm}/none"] for row in rows if row["set"] == name)  # type: ignore[misc]
+            for arm in arms
+            if arm != "none"
+        }
+        for name in args.sets
+    }
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"command": " ".join(sys.argv), "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    Path(args.output).write_text(json.dumps({**result, "summary": summary, "rows": rows}, indent=1) + "\n")
+    print(json.dumps(summary), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
