@@ -203,7 +203,9 @@ def coalesce(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         if seen is None:
             merged[out.request_id] = out
             continue
-        if out.first_scheduled_time is None and out.new_logprobs is None:  # plain: seen keeps its counters
+        # plain (a token alone): seen keeps its counters. Only if it does not finish the request: the core's plain
+        # outputs never do, but one that did (a stub core's) would lose its finish and leave its stream open for ever
+        if out.first_scheduled_time is None and out.new_logprobs is None and out.finish_reason is None:
             seen.new_token_ids = seen.new_token_ids + out.new_token_ids
             continue
         first_token_time = seen.first_token_time or out.first_token_time
