@@ -203,10 +203,15 @@ def coalesce(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         if seen is None:
             merged[out.request_id] = out
             continue
-        # plain (a token alone): seen keeps its counters. Only if it does not finish the request: the core's plain
-        # outputs never do, but one that did (a stub core's) would lose its finish and leave its stream open for ever
-        if out.first_scheduled_time is None and out.new_logprobs is None and out.finish_reason is None:
+        if (
+            out.first_scheduled_time is None and out.new_logprobs is None
+        ):  # plain (a token alone): seen keeps its counters
             seen.new_token_ids = seen.new_token_ids + out.new_token_ids
+            # The core's plain outputs never finish a request, but one that did (benchmarks/serve_front.py's stub
+            # core's) must not lose its finish, or its stream stays open for ever
+            if out.finish_reason is not None:
+                seen.finish_reason, seen.stop_reason = out.finish_reason, out.stop_reason
+                seen.finished_time = out.finished_time
             continue
         first_token_time = seen.first_token_time or out.first_token_time
         first_scheduled_time = seen.first_scheduled_time or out.first_scheduled_time

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -35,6 +36,7 @@ from dspark.server.protocol import ChatCompletionRequest, CompletionRequest, Mod
 from dspark.server.serving import ServedModel
 
 MAX_BODY_BYTES = 16 << 20
+logger = logging.getLogger("dspark.server")
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -64,6 +66,10 @@ def build_app(
             if peers is not None:
                 peers.mark_ready()
         except EngineDeadError:  # the core could not start (the log says why): a server that can serve nothing
+            if on_start_failure is not None:
+                on_start_failure()
+        except OSError as e:  # no readiness mark: every API server's /health would answer 503 for ever
+            logger.critical("cannot mark this API server ready: %s", e)
             if on_start_failure is not None:
                 on_start_failure()
 

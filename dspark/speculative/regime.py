@@ -21,7 +21,7 @@ FIRST_PERIOD steps, so that a new level learns both rates in a handful of steps 
 turn the level to the other regime); then each gap doubles the last, and
 once both rates are known a burst may cost at most EXPLORE_SHARE of the time between bursts. That cost is counted in
 time, not steps: each millisecond of the slower regime loses (1 - slow rate / fast rate) of what the faster would have
-made; the slower rate is taken two standard errors up (its tokens per step swing), so that a drafter measured
+made; the slower rate is taken about two standard errors up (its tokens per step swing), so a drafter measured
 from a few steps in a hard stretch is revisited soon, not after a gap its unlucky mean earned. A level with nothing
 measured whose model verdict is plain with predicted costs (a Verdict with rates) spaces its first burst as those
 predictions would; the planner gives them only where drafting's cost was measured at this load or a lower one, so that
@@ -193,8 +193,9 @@ class RegimeChooser:
         """Steps of the faster regime between bursts so that a burst costs at most EXPLORE_SHARE of the time between
         them: a burst lasts BURST * slow_ms, and each of its milliseconds makes slow / fast of the faster regime's
         tokens. From the measured rates once both are known (rate: the ones the choice used, a floored plain rate with
-        its step time scaled to match); before that from the model's predictions where its plain verdict has them
-        (Verdict); else 0."""
+        its step time scaled to match), the slower one taken optimistically (_optimism), and 0 (the period alone) where
+        that reaches the faster; before that from the model's predictions where its plain verdict has them (Verdict),
+        as they are; else 0."""
         ms = lv.ms
         floored = rate is not None and len(rate) == 2 and len(ms) == 2 and lv.rate[False] > 0
         if floored and rate[False] != lv.rate[False]:
@@ -218,10 +219,13 @@ class RegimeChooser:
 
     @staticmethod
     def _optimism(lv: _Level, regime: bool) -> float:
-        """1 + two standard errors of the regime's tokens per step, relative: a drafting rate measured from a step or
-        two (whose tokens swing from 1 to k + 1 a request) could be much higher, and a gap spaced by its mean would keep
-        a drafter that pays off for hundreds of steps when its first steps hit a hard stretch (1 run in 20 of a
-        simulated batch 8 where drafting pays 1.15x). Plain steps make a token a request: no spread, no optimism."""
+        """About 1 + two standard errors of the regime's tokens per step, relative: a drafting rate measured from a few
+        steps (whose tokens swing from 1 to k + 1 a request) could be much higher, and a gap spaced by its mean kept a
+        drafter that pays off for hundreds of steps when its first steps hit a hard stretch (3 runs in 20 of a
+        simulated batch 8 where drafting pays 1.15x). A heuristic, not an exact error: the spread is the population
+        one (none after one step, or after steps that all made the same tokens), the sample size counts every step
+        ever measured (a burst's steps weigh more), and it stays near 1 + spread / (4 x mean) once many are. Plain
+        steps make a token a request: their spread is only the level's range of loads."""
         mean = lv.tokens[regime]
         spread = max(lv.square[regime] - mean * mean, 0.0) ** 0.5
         samples = min(lv.seen[regime], (1 + TOKENS_DECAY) / (1 - TOKENS_DECAY))  # an average's effective size

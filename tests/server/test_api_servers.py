@@ -187,6 +187,16 @@ def test_health_is_200_only_once_every_api_server_is_ready(tiny_llama: Path, tmp
         assert _status(url)[0] == 200
 
 
+def test_an_api_server_that_cannot_mark_itself_ready_stops(tiny_llama: Path, tmp_path: Path) -> None:
+    """Without its mark every API server's /health would answer 503 for ever: it stops instead (the launcher then
+    stops the server, exit 1), as when the core fails to start."""
+    config = EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu")
+    front = _ReadyFront(config, slot=FrontSlot(0, 2, "", "", 0, str(tmp_path / "gone")))
+    stopped = threading.Event()
+    with live_server(front, on_start_failure=stopped.set):  # type: ignore[arg-type]
+        assert stopped.wait(10)
+
+
 # ---- the launcher, its API servers and its core, as processes ------------------------------------------------------
 
 FLAGS = ["--port", "0", "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "512"]

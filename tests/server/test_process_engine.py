@@ -162,6 +162,10 @@ def test_coalesce_merges_a_requests_steps_in_order() -> None:
         [EngineCoreOutput("d", [1], first_token_time=2.0), EngineCoreOutput("d", [2], finish_reason="length")]
     )
     assert d.new_token_ids == [1, 2] and d.finish_reason == "length" and d.first_token_time == 2.0
+    full = EngineCoreOutput("e", [4], first_scheduled_time=1.0, num_cached_tokens=16, spec_num_drafts=3)
+    (e,) = coalesce([full, EngineCoreOutput("e", [5], finish_reason="stop", stop_reason=2, finished_time=9.0)])
+    assert e.new_token_ids == [4, 5] and (e.finish_reason, e.stop_reason, e.finished_time) == ("stop", 2, 9.0)
+    assert e.num_cached_tokens == 16 and e.spec_num_drafts == 3  # the full output's counters stay
 
 
 def test_plain_outputs_keep_the_requests_counters(tokenizer_dir: Path) -> None:
