@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from provenance import provenance
 
 from dspark.bench.spec import run_round
 from dspark.bench.throughput import drain, load_prompts, tokenize
@@ -38,11 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     result: dict[str, object] = {
-        "command": " ".join(sys.argv),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **provenance(),
         "sets": {},
     }
     for name in args.sets:  # fresh engines per set: what each learned on one set does not carry to the next

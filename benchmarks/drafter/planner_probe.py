@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from provenance import provenance
 
 from dspark import LLM, SamplingParams
 from dspark.bench.throughput import load_prompts, tokenize
@@ -49,8 +50,7 @@ def main() -> None:
         runs.append(run)
         print(json.dumps(run), file=sys.stderr)
         del llm
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"command": " ".join(sys.argv), "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    result = provenance()
     Path(args.output).write_text(json.dumps({**result, "runs": runs}, indent=1) + "\n")
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from provenance import provenance
 
 from dspark.bench.spec import run_round
 from dspark.bench.throughput import drain, load_prompts, tokenize
@@ -84,8 +84,7 @@ def main() -> None:
         }
         for name in args.sets
     }
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"command": " ".join(sys.argv), "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    result = provenance()
     Path(args.output).write_text(json.dumps({**result, "summary": summary, "rows": rows}, indent=1) + "\n")
     print(json.dumps(summary), file=sys.stderr)
 

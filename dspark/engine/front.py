@@ -203,9 +203,7 @@ def coalesce(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         if seen is None:
             merged[out.request_id] = out
             continue
-        if (
-            out.first_scheduled_time is None and out.new_logprobs is None
-        ):  # plain (a token alone): seen keeps its counters
+        if out.first_scheduled_time is None and out.new_logprobs is None:  # plain (a token alone): seen's counters stay
             seen.new_token_ids = seen.new_token_ids + out.new_token_ids
             # The core's plain outputs never finish a request, but one that did (benchmarks/serve_front.py's stub
             # core's) must not lose its finish, or its stream stays open for ever

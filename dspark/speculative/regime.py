@@ -25,8 +25,8 @@ made; the slower rate is taken about two standard errors up (its tokens per step
 from a few steps in a hard stretch is revisited soon, not after a gap its unlucky mean earned. A level with nothing
 measured whose model verdict is plain with predicted costs (a Verdict with rates) spaces its first burst as those
 predictions would; the planner gives them only where drafting's cost was measured at this load or a lower one, so that
-they err towards drafting being cheap. The asymmetry is deliberate: a plain verdict that knows
-drafting's measured cost is the trustworthy side, and a drafting verdict still explores plain steps (cheap) early.
+they err towards drafting being cheap. The asymmetry is deliberate: a plain verdict that knows drafting's measured cost
+is the trustworthy side, and a drafting verdict still explores plain steps (cheap) early.
 
 The choice reads only past measurements and the load, never a draft, so verification stays lossless. See
 docs/scheduling.md, "Whether to draft at all".
