@@ -4,7 +4,7 @@ arms alternating in every round. After each round it reads the regime chooser's 
 regime that keeps drafting at a loss shows why.
 
     python benchmarks/drafter/shift_probe.py OUT.json DRAFTER [DRAFTER ...] [--sets gsm8k mt-bench] [--rounds 2] \
-        [--batch-size 8]
+        [--batch-size 8] [--realised-too]
 
 Per set and round: each arm's tokens/s, its share of drafting steps, and its regime's tokens/ms per level.
 """
@@ -35,10 +35,21 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=8, help="requests at once (the engines' max_num_seqs)")
+    ap.add_argument(
+        "--realised-too",
+        action="store_true",
+        help="for each drafter, also an engine whose regime chooser ignores the drafts' expected acceptance "
+        "(arm dI-realised: drafting's tokens per step from the realised average alone)",
+    )
     args = ap.parse_args()
     arms = {"none": LLM()} | {
         f"d{i}": LLM(speculative_config={"method": "dspark", "model": d}) for i, d in enumerate(args.drafters)
     }
+    if args.realised_too:
+        for i, d in enumerate(args.drafters):
+            llm = arms[f"d{i}-realised"] = LLM(speculative_config={"method": "dspark", "model": d})
+            assert llm.engine.core.planner is not None
+            llm.engine.core.planner.regime.expectations = False
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     prompts = {
         name: tokenize(arms["none"], load_prompts(str(Path(args.data) / f"{name}.jsonl"), args.num_prompts), True)
@@ -70,6 +81,8 @@ def main() -> None:
                     cell["regime_ms"] = {lvl: dict(lv.ms) for lvl, lv in planner.regime.levels.items()}
                     cell["regime_tokens"] = {lvl: dict(lv.tokens) for lvl, lv in planner.regime.levels.items()}
                     cell["regime_period"] = {lvl: lv.period for lvl, lv in planner.regime.levels.items()}
+                    cell["regime_expected"] = {lvl: lv.expected for lvl, lv in planner.regime.levels.items()}
+                    cell["regime_ratio"] = planner.regime.expectation_ratio()
                 row[arm] = cell
             for arm in arms:
                 if arm != "none":

@@ -129,6 +129,9 @@ class VerificationPlanner:
         self.plan_ms_total = 0.0  # wall time of plan() over planned steps: the budget choice and the allocation
         self.verify_len_hist = [0] * (num_spec_tokens + 1)  # requests that verified l drafts in a step, l = 0..K
         self.planned: PlannedStep | None = None  # the step plan() last planned (adaptive modes), for its timing
+        # record(): the last verification's expected accepted drafts (the sum of the verified slots' survivals) and
+        # accepted drafts, which the step's timing passes to the regime chooser (it takes them: one step's each)
+        self.verified_expectation: tuple[float, int] | None = None
         # num requests -> (answer, steps it may still be reused, the cost model's surprises when it was computed)
         self._pays_cache: dict[int, tuple[Verdict, int, int]] = {}
         # prepare(): the step it expects (request ids, caps, requests sampling, other tokens) and the budget for it
@@ -452,7 +455,9 @@ class VerificationPlanner:
         np.add.at(self.reached.numpy(), strata, ((positions < verified) & (positions <= accepted)).astype(np.float64))
         np.add.at(self.accepted.numpy(), strata, (positions < accepted).astype(np.float64))
         in_block = positions < verified  # [n, k]: the verified slots
-        self.calibration.add_blocks(host_t[:, :k][in_block], (positions < accepted)[in_block], verified, accepted)
+        survivals = host_t[:, :k][in_block]
+        self.calibration.add_blocks(survivals, (positions < accepted)[in_block], verified, accepted)
+        self.verified_expectation = (float(survivals.sum()), int(np.minimum(accepted, verified).sum()))
         records: list[dict[str, object]] = []
         if trace:
             for i, (rid, num_verified, num_accepted) in enumerate(known):

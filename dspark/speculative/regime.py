@@ -28,7 +28,15 @@ predictions would; the planner gives them only where drafting's cost was measure
 they err towards drafting being cheap. The asymmetry is deliberate: a plain verdict that knows drafting's measured cost
 is the trustworthy side, and a drafting verdict still explores plain steps (cheap) early.
 
-The choice reads only past measurements and the load, never a draft, so verification stays lossless. See
+Drafting's tokens per step come from the drafts' expected acceptance where the planner has it (observe's expected: the
+sum of the verified slots' survivals, and the accepted count): the tokens besides accepted drafts plus the expected
+accepted drafts, both over a few steps (PREDICTED_DECAY), times the realised / expected ratio of accepted drafts over
+every level's verified steps (RATIO_DECAY, a prior of 1). An expectation has none of acceptance's step-to-step noise,
+so the short memory follows what the prompts are now; the pooled ratio corrects the confidences' calibration (a control
+variate).
+
+The choice reads only past measurements (among them the survivals of drafts already verified) and the load, never a
+draft it decides about, so verification stays lossless. See
 docs/scheduling.md, "Whether to draft at all".
 """
 
@@ -49,6 +57,13 @@ DECAY = 0.8  # ms per step: weight of the previous average per new steady step
 # what load changes, keeps the short average.
 TOKENS_DECAY = 0.97
 BURST_MEMORY = 4  # an exploration burst's steady steps weigh as the 5th and later steps of a fresh average
+# Drafting steps with expectations (the survivals of the drafts they verified): their expected accepted drafts, averaged
+# over a short memory, times the realised / expected ratio of every level's verified steps, averaged over a long one.
+PREDICTED_DECAY = 0.8
+RATIO_DECAY = 0.995
+# The ratio's prior: 1 (the drafter's confidences are calibrated), weighing as this many expected accepted drafts, each
+# as uncertain as a fair coin
+RATIO_PRIOR = 8.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,11 @@ class _Level:
     square: dict[bool, float] = field(default_factory=dict)  # drafting? -> tokens^2 per steady step (its spread)
     count: dict[bool, int] = field(default_factory=dict)  # drafting? -> steady steps measured (capped by bursts)
     seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # drafting? -> steady steps ever
+    # steady drafting steps with expectations: tokens besides the accepted drafts, and the expected accepted drafts
+    unaccepted: float = 0.0
+    expected: float = 0.0
+    expected_long: float = 0.0  # the same over TOKENS_DECAY's memory: what the level's prompts expect on the whole
+    num_expected: int = 0
     since: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # steps since each regime last ran
     period: int = FIRST_PERIOD
     burst: int = 0  # steps left in an exploration burst
@@ -86,6 +106,13 @@ class RegimeChooser:
         # A diagnostic, not a policy: when set, every choice is this regime and nothing is explored (bench sweep's
         # adaptive:plain arm prices an adaptive engine's plain steps, the drafter's context kept, beside no-spec's)
         self.held: bool | None = None
+        # A diagnostic: when False, expectations are ignored and drafting's tokens are the realised average alone
+        # (benchmarks/drafter/shift_probe.py's A/B of the two estimates)
+        self.expectations = True
+        # realised / expected accepted drafts of verified steps at every level, averaged with RATIO_DECAY: weight,
+        # squared weight, then the weighted sums of accepted, expected, accepted^2, accepted x expected, expected^2
+        self._ratio = [0.0] * 7
+        self.num_ratio_steps = 0
 
     @staticmethod
     def level(num_requests: int) -> int:
@@ -140,6 +167,10 @@ class RegimeChooser:
                 # drafter measured during a long hard stretch would otherwise need dozens of bursts to come back
                 if other in lv.count:
                     lv.count[other] = min(lv.count[other], BURST_MEMORY)
+                # Expectations have little of that noise: a burst's first steady step weighs as the second of a fresh
+                # average, so that text that turned easy while the level ran plain shows within the burst
+                if other:
+                    lv.num_expected = min(lv.num_expected, 1)
                 # NOTE: doubled from the gap just waited, not from the period: once the spacing exceeds the period,
                 # doubling a small period would keep the bursts at the spacing for several more rounds. A neighbour's
                 # gap only delays a level's first burst: after it the level has measured rates of its own.
@@ -188,8 +219,7 @@ class RegimeChooser:
         found = self._neighbour(self.level(num_requests))
         return 0 if found is None else max(self._spacing(found[1]), found[1].period)
 
-    @staticmethod
-    def _spacing(lv: _Level, rate: dict[bool, float] | None = None) -> int:
+    def _spacing(self, lv: _Level, rate: dict[bool, float] | None = None) -> int:
         """Steps of the faster regime between bursts so that a burst costs at most EXPLORE_SHARE of the time between
         them: a burst lasts BURST * slow_ms, and each of its milliseconds makes slow / fast of the faster regime's
         tokens. From the measured rates once both are known (rate: the ones the choice used, a floored plain rate with
@@ -211,28 +241,49 @@ class RegimeChooser:
             return 0
         fast = max(rate, key=lambda regime: rate[regime])
         slow = not fast
-        slow_rate = rate[slow] * RegimeChooser._optimism(lv, slow) if measured else rate[slow]
+        slow_rate = rate[slow] * self._optimism(lv, slow) if measured else rate[slow]
         if slow_rate >= rate[fast]:
             return 0  # the slower rate may be noise: the doubling period alone spaces the bursts
         lost_ms = BURST * ms[slow] * (1.0 - slow_rate / rate[fast])
         return min(int(lost_ms / (EXPLORE_SHARE * max(ms[fast], 1e-6))), MAX_PERIOD)
 
-    @staticmethod
-    def _optimism(lv: _Level, regime: bool) -> float:
+    def _optimism(self, lv: _Level, regime: bool) -> float:
         """About 1 + two standard errors of the regime's tokens per step, relative: a drafting rate measured from a few
         steps (whose tokens swing from 1 to k + 1 a request) could be much higher, and a gap spaced by its mean kept a
         drafter that pays off for hundreds of steps when its first steps hit a hard stretch (3 runs in 20 of a
         simulated batch 8 where drafting pays 1.15x). A heuristic, not an exact error: the spread is the population
         one (none after one step, or after steps that all made the same tokens), the sample size counts every step
         ever measured (a burst's steps weigh more), and it stays near 1 + spread / (4 x mean) once many are. Plain
-        steps make a token a request: their spread is only the level's range of loads."""
+        steps make a token a request: their spread is only the level's range of loads. Drafting estimated from
+        expectations (_tokens): the ratio two standard errors up, times the larger of the short and the long average
+        of the expectations (a drafter whose confidences dipped for a few steps of hard text is revisited soon)."""
+        known = self.expectation_ratio() if regime and lv.num_expected else None
+        if known is not None:
+            tokens = self._tokens(lv, regime)
+            expected = max(lv.expected, lv.expected_long)
+            return (lv.unaccepted + (known[0] + 2.0 * known[1]) * expected) / tokens if tokens > 0 else 1.0
         mean = lv.tokens[regime]
         spread = max(lv.square[regime] - mean * mean, 0.0) ** 0.5
         samples = min(lv.seen[regime], (1 + TOKENS_DECAY) / (1 - TOKENS_DECAY))  # an average's effective size
         return 1.0 + 2.0 * spread / (mean * samples**0.5) if mean > 0 and samples else 1.0
 
-    def observe(self, num_requests: int, verified_drafts: bool, drafted: bool, tokens: int, ms: float) -> None:
-        """One finished step: it counts for a regime only if steady (verified drafts and drafted again, or neither)."""
+    def observe(
+        self,
+        num_requests: int,
+        verified_drafts: bool,
+        drafted: bool,
+        tokens: int,
+        ms: float,
+        expected: tuple[float, int] | None = None,
+    ) -> None:
+        """One finished step: it counts for a regime only if steady (verified drafts and drafted again, or neither).
+        expected: for a step that verified drafts, their expected accepted count (the sum of their survivals) and how
+        many were accepted. Every such step teaches the realised / expected ratio; a steady drafting step's
+        expectation also feeds its level's estimate of drafting's tokens per step (_tokens)."""
+        if not self.expectations:
+            expected = None
+        if expected is not None and verified_drafts:
+            self._learn_ratio(*expected)
         if verified_drafts != drafted or ms <= 0:
             return
         lv = self.levels.setdefault(self.level(num_requests), _Level())
@@ -243,7 +294,51 @@ class RegimeChooser:
         lv.tokens[drafted] = (1 - w_tokens) * lv.tokens.get(drafted, 0.0) + w_tokens * tokens
         lv.square[drafted] = (1 - w_tokens) * lv.square.get(drafted, 0.0) + w_tokens * tokens * tokens
         lv.seen[drafted] += 1
-        lv.rate[drafted] = lv.tokens[drafted] / lv.ms[drafted]
+        if drafted and expected is not None:
+            lv.num_expected += 1
+            w = max(1 - PREDICTED_DECAY, 1 / lv.num_expected)
+            lv.unaccepted = (1 - w) * lv.unaccepted + w * (tokens - expected[1])
+            lv.expected = (1 - w) * lv.expected + w * expected[0]
+            w_long = max(1 - TOKENS_DECAY, 1 / lv.num_expected)
+            lv.expected_long = (1 - w_long) * lv.expected_long + w_long * expected[0]
+        lv.rate[drafted] = self._tokens(lv, drafted) / lv.ms[drafted]
+
+    def _learn_ratio(self, expected: float, accepted: int) -> None:
+        d = RATIO_DECAY
+        w, w2, a, e, aa, ae, ee = self._ratio
+        self._ratio = [
+            d * w + 1,
+            d * d * w2 + 1,
+            d * a + accepted,
+            d * e + expected,
+            d * aa + accepted * accepted,
+            d * ae + accepted * expected,
+            d * ee + expected * expected,
+        ]
+        self.num_ratio_steps += 1
+
+    def expectation_ratio(self) -> tuple[float, float] | None:
+        """The realised / expected ratio of accepted drafts and its standard error (a ratio estimator's, with the
+        weights' effective sample size, and the prior's share); None before any verified step with expectations."""
+        w, w2, a, e, aa, ae, ee = self._ratio
+        if not self.num_ratio_steps:
+            return None
+        m = RATIO_PRIOR
+        r = (a + m) / (e + m)
+        residual = max(aa - 2 * r * ae + r * r * ee, 0.0)  # sum of w (accepted - r expected)^2
+        return r, (residual * w2 / w + 0.25 * m) ** 0.5 / (e + m)
+
+    def _tokens(self, lv: _Level, regime: bool) -> float:
+        """A regime's tokens per steady step at a level. Drafting's, where the level has drafting steps with
+        expectations: what they made besides accepted drafts plus their expected accepted drafts, both over a
+        short memory, scaled by the ratio. An expectation has none of the acceptance's step-to-step noise, so the short
+        memory follows what the prompts are now (a change of workload shows within a few steps, the level's realised
+        tokens need ~30), and the ratio, pooled over every level and a long memory, corrects the survivals' calibration.
+        Else the average of the tokens made (TOKENS_DECAY)."""
+        known = self.expectation_ratio() if regime and lv.num_expected else None
+        if known is None:
+            return lv.tokens[regime]
+        return lv.unaccepted + known[0] * lv.expected
 
     def rates(self) -> dict[int, dict[str, float]]:
         return {lvl: {("spec" if k else "plain"): v for k, v in lv.rate.items()} for lvl, lv in self.levels.items()}

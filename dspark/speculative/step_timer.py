@@ -57,6 +57,7 @@ class _Timed:
     num_emitted: int
     decode_only: bool  # every request fed one token besides its drafts (no prompt chunk)
     ending_ms: float = 0.0  # host time the step spent ending requests: taken out of its measured time
+    expected: tuple[float, int] | None = None  # its verified drafts' expected and accepted counts (planner.record)
 
 
 @dataclass
@@ -97,7 +98,9 @@ class StepTiming:
             # A step with a prompt chunk says nothing about either regime's decode rate: counted as a plain step, a
             # level's first step (its requests' prefill) would make plain decoding look slower than drafting.
             if t.decode_only:
-                regime.observe(t.num_requests, t.verified_drafts, t.drafted, t.num_emitted, measured)
+                regime.observe(
+                    t.num_requests, t.verified_drafts, t.drafted, t.num_emitted, measured, expected=t.expected
+                )
 
     def mean_errors(self) -> list[float]:
         """Mean relative error (predicted - measured) / measured: profiled, |profiled|, refined, |refined|."""
@@ -158,6 +161,7 @@ class StepTimer:
         self._last_continued = time.perf_counter() if chain_starts else None
         self._before = None if ending_ms else (0.0, wait_ms)
         planner, planned = self.planner, self.planner.planned
+        expected, planner.verified_expectation = planner.verified_expectation, None  # this step's, whether timed or not
         cost = planner.cost
         if planned is None or self._step_start is None or cost is None:
             return
@@ -183,6 +187,7 @@ class StepTimer:
             num_emitted,
             planned.decode_only,
             ending_ms,
+            expected if planned.verified_drafts else None,
         )
         planner.timing.pending.append(timed)
         planner.timing.harvest(cost, planner.regime)
@@ -221,6 +226,7 @@ class StepTimer:
         before, self._before = self._before, (ending_ms, wait_ms)
         start, self._last_continued = self._last_continued, now if chain_goes_on else None
         planner, cost = self.planner, self.planner.cost
+        expected, planner.verified_expectation = planner.verified_expectation, None
         if start is None or not planner.adaptive or cost is None:
             return
         planner.timing.harvest(cost, planner.regime)  # older event-timed steps first: the regime sees them in order
@@ -230,7 +236,9 @@ class StepTimer:
         ms = without_ending((now - start) * 1e3, ending_ms, shortened)
         if ms is None:  # nearly all ending work
             return
-        planner.regime.observe(num_requests, num_verified > 0, drafted, num_emitted, ms)
+        planner.regime.observe(
+            num_requests, num_verified > 0, drafted, num_emitted, ms, expected=expected if num_verified else None
+        )
         # And the cost model: what a plain step costs in a pipelined run (its host work overlaps the device's, unlike
         # the profiled step run alone) is what drafting must beat; one that drafted is the first step of a drafting
         # run, priced as the profile's plain pass plus drafting. Measuring that first step lets a run that should not

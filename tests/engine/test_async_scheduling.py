@@ -448,10 +448,12 @@ def test_a_continued_step_that_drafts_is_not_measured_as_plain(
     observe, finished, cost_observe = planner.regime.observe, timer.continued_step_finished, planner.cost.observe
     inside = {"on": False}
 
-    def spy_observe(n: int, verified: bool, drafted: bool, tokens: int, ms: float) -> None:
+    def spy_observe(
+        n: int, verified: bool, drafted: bool, tokens: int, ms: float, expected: tuple[float, int] | None = None
+    ) -> None:
         if inside["on"]:
             seen.append((engine.last_step_kind, verified, drafted))
-        observe(n, verified, drafted, tokens, ms)
+        observe(n, verified, drafted, tokens, ms, expected)
 
     def spy_cost(n: int, base_ms: float, ms: float, speculative: bool) -> None:
         if inside["on"]:
@@ -478,6 +480,52 @@ def test_a_continued_step_that_drafts_is_not_measured_as_plain(
     assert all(speculative == (kind != "plain") for kind, speculative in priced), priced
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_regime_hears_each_verified_steps_expected_and_accepted_drafts(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path, async_scheduling: bool
+) -> None:
+    """Every step the regime chooser measures that verified drafts comes with their expected accepted count (the sum of
+    the verified slots' survivals) and the accepted count, from that step's own verification: its tokens are its
+    requests' one each plus those accepted drafts (fewer only where a request ended inside its block). Steps that
+    verified nothing carry none. Both timing paths: steps launched alone (events or the host clock) and pipelined
+    continued steps."""
+    model = str(tiny_model_dirs["llama"])
+    llm = _alternating_dspark(model, tmp_path, dtype="float32", max_model_len=256, num_kv_blocks=256)
+    if not async_scheduling:
+        llm = LLM(
+            model=model,
+            dtype="float32",
+            max_model_len=256,
+            num_kv_blocks=256,
+            speculative_config={"method": "dspark", "model": str(tmp_path / "drafter")},
+            cost_model=_STEEP,
+        )
+    planner = llm.engine.planner
+    assert planner is not None
+    heard: list[tuple[int, bool, int, tuple[float, int] | None]] = []
+    observe = planner.regime.observe
+
+    def spy_observe(
+        n: int, verified: bool, drafted: bool, tokens: int, ms: float, expected: tuple[float, int] | None = None
+    ) -> None:
+        heard.append((n, verified, tokens, expected))
+        observe(n, verified, drafted, tokens, ms, expected)
+
+    planner.regime.observe = spy_observe  # type: ignore[method-assign]
+    if not async_scheduling:
+        planner.should_draft = lambda request_ids: True  # type: ignore[method-assign]
+    llm.generate(_prompts(17, [6, 11, 8]), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    verified = [h for h in heard if h[1]]
+    assert verified and all(h[3] is None for h in heard if not h[1])
+    for n, _, tokens, expected in verified:
+        assert expected is not None
+        assert 0.0 < expected[0] and 0 <= expected[1]
+        assert tokens <= n + expected[1]
+    assert sum(tokens == n + e[1] for n, _, tokens, e in verified if e is not None) >= len(verified) // 2
+    assert sum(e[1] for *_, e in verified if e is not None) <= planner.calibration.realised
+    assert planner.regime.num_ratio_steps >= len(verified)
+
+
 def test_every_plain_step_of_a_pipelined_run_is_measured(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """A pipelined run starts with a step launched alone, whose successor is launched before it is collected: that
     successor is timed from the first step's end, like every later continued step from its predecessor's. Were it
@@ -491,10 +539,12 @@ def test_every_plain_step_of_a_pipelined_run_is_measured(tiny_model_dirs: dict[s
     observe, finished = planner.regime.observe, timer.continued_step_finished
     inside = {"on": False}
 
-    def spy_observe(n: int, verified: bool, drafted: bool, tokens: int, ms: float) -> None:
+    def spy_observe(
+        n: int, verified: bool, drafted: bool, tokens: int, ms: float, expected: tuple[float, int] | None = None
+    ) -> None:
         if inside["on"] and engine.last_step_kind == "plain" and not verified and not drafted and ms > 0:
             measured_plain[0] += 1
-        observe(n, verified, drafted, tokens, ms)
+        observe(n, verified, drafted, tokens, ms, expected)
 
     def spy_finished(num_requests: int, num_emitted: int, chain_goes_on: bool, drafted: bool, **kw: Any) -> None:
         continued_plain[0] += not drafted
@@ -546,7 +596,7 @@ def test_a_step_launched_for_requests_that_all_ended_is_dropped(untied_model: st
     assert out.outputs[0].finish_reason == "stop" and engine.stats["num_pipelined_steps"] > 0
     observed: list[float] = []
     observe = planner.regime.observe
-    planner.regime.observe = lambda n, v, d, tokens, ms: (observed.append(ms), observe(n, v, d, tokens, ms))  # type: ignore[method-assign]
+    planner.regime.observe = lambda *a, **kw: (observed.append(a[4]), observe(*a, **kw))  # type: ignore[method-assign]
     steps = engine.stats["num_steps"]
     time.sleep(0.5)  # idle, as a server between requests
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=3))
@@ -628,7 +678,7 @@ def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, 
     observed: list[float] = []
     priced: list[float] = []
     observe, cost_observe = planner.regime.observe, planner.cost.observe
-    planner.regime.observe = lambda n, v, d, tokens, ms: (observed.append(ms), observe(n, v, d, tokens, ms))  # type: ignore[method-assign]
+    planner.regime.observe = lambda *a, **kw: (observed.append(a[4]), observe(*a, **kw))  # type: ignore[method-assign]
     planner.cost.observe = lambda n, base, ms, speculative: (priced.append(ms), cost_observe(n, base, ms, speculative))  # type: ignore[method-assign]
     ending_steps = [0]  # steps that ended a request and were timed
     dropped = [0]  # those that reached neither the regime nor the cost model

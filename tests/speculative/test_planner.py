@@ -605,7 +605,7 @@ def test_ending_work_is_taken_out_and_the_wait_it_ate_given_back(monkeypatch: py
     timer = StepTimer(planner)
     seen: list[float] = []
     observe = planner.regime.observe
-    planner.regime.observe = lambda n, v, d, tokens, ms: (seen.append(ms), observe(n, v, d, tokens, ms))  # type: ignore[method-assign]
+    planner.regime.observe = lambda *a, **kw: (seen.append(a[4]), observe(*a, **kw))  # type: ignore[method-assign]
 
     def continued(interval: float, ending: float = 0.0, wait: float = 0.6) -> None:
         clock.now += interval / 1e3

@@ -407,3 +407,110 @@ def test_a_noisy_drafter_that_does_not_pay_at_batch_8_still_goes_plain(seed: int
     """The same batch with drafting at 0.87x plain (14 tokens an 80 ms step): plain, with rare bursts."""
     choices = _batch_run(RegimeChooser(), 1500, random.Random(100 + seed), good=0.5, spec_ms=80.0, plain_ms=40.0)
     assert sum(choices[300:]) < 0.1 * len(choices[300:])
+
+
+def _expected_run(
+    chooser: RegimeChooser,
+    steps: int,
+    seed: int,
+    n: int,
+    phases: list[tuple[int, float, float, float]],
+    plain_ms: float,
+    expectations: bool = True,
+    held: bool | None = None,
+) -> tuple[list[bool], float]:
+    """_batch_run's text with what the planner knows: each verified block's expected accepted drafts, from a drafter
+    whose confidence is good x bias (capped at 0.98) and, in 60% of a request's hard stretches, 0.2 (it sees those
+    coming; the rest look like easy text). phases: (first step, good, drafting ms a step, bias). Returns the choices
+    and the tokens/ms of steps 300 on."""
+    rng = random.Random(seed)
+    choices, previous, hard = [], True, [0] * n
+    made_total, ms_total = 0, 0.0
+    chooser.held = held
+    for t in range(steps):
+        good, spec_ms, bias = [p for p in phases if p[0] <= t][-1][1:]
+        drafted = chooser.choose(n, True)
+        tokens, accepted, expected = 0, 0, 0.0
+        for i in range(n):
+            if hard[i] == 0 and rng.random() < 0.04:
+                hard[i] = rng.randint(4, 12)
+            confidence, made = min(good * bias, 0.98), 1
+            if hard[i]:
+                confidence = 0.2 if rng.random() < 0.6 else confidence
+                hard[i] -= 1
+            elif previous:
+                while made < 8 and rng.random() < good:
+                    made += 1
+            if previous:
+                expected += sum(confidence**j for j in range(1, 8))
+                accepted += made - 1
+            tokens += made
+        ms = spec_ms if drafted else plain_ms
+        chooser.observe(n, previous, drafted, tokens, ms, expected=(expected, accepted) if expectations else None)
+        if t >= 300:
+            made_total, ms_total = made_total + tokens, ms_total + ms
+        choices.append(drafted)
+        previous = drafted
+    return choices, made_total / ms_total
+
+
+def _over_plain(n: int, phases: list[tuple[int, float, float, float]], plain_ms: float, expectations: bool) -> float:
+    """Mean over 20 seeds of tokens/ms (steps 300-1,500) over the same runs held plain."""
+    ratios = []
+    for seed in range(20):
+        plain = _expected_run(RegimeChooser(), 1500, seed, n, phases, plain_ms, held=False)[1]
+        ratios.append(_expected_run(RegimeChooser(), 1500, seed, n, phases, plain_ms, expectations)[1] / plain)
+    return sum(ratios) / len(ratios)
+
+
+@pytest.mark.parametrize("n, plain_ms, spec_ms", [(1, 25.0, 59.6), (2, 50.0, 119.1)])
+def test_expected_acceptance_finds_a_drafter_that_pays_a_little_at_small_batches(
+    n: int, plain_ms: float, spec_ms: float
+) -> None:
+    """Drafting at ~1.14x plain over the run at batch 1 and 2. From its realised tokens alone (a step's swing from 1 to
+    8 a request) the level found the edge in few runs: 1.06x plain at batch 1 on average over 20 seeds, 1.09x at
+    batch 2. With the drafts' expected acceptance (an expectation, averaged over a few steps, times a pooled
+    realised / expected ratio) it takes more of it: 1.12x and 1.11x. Asserted: 1.10x, and 0.02 over realised alone."""
+    phases = [(0, 0.72, spec_ms, 1.0)]
+    realised = _over_plain(n, phases, plain_ms, expectations=False)
+    expected = _over_plain(n, phases, plain_ms, expectations=True)
+    assert expected > 1.10 and expected > realised + 0.02, (expected, realised)
+
+
+@pytest.mark.parametrize("n, plain_ms, spec_ms", [(1, 25.0, 78.7), (8, 40.0, 125.0)])
+def test_expected_acceptance_still_goes_plain_where_drafting_does_not_pay(
+    n: int, plain_ms: float, spec_ms: float
+) -> None:
+    """Drafting at ~0.87x plain: within 1% of plain, as with realised tokens alone."""
+    assert _over_plain(n, [(0, 0.72, spec_ms, 1.0)], plain_ms, expectations=True) > 0.99
+
+
+def test_a_workload_where_drafting_stops_paying_is_left_within_a_few_steps() -> None:
+    """Batch 8: drafting pays 1.15x for 600 steps, then the text turns to chat where it makes 0.68x (acceptance 0.45,
+    the drafter overconfident by 15%). From realised tokens (a ~30-step memory) the level drafted in 18 of the 20
+    steps after the change (median of 20 seeds); with expected acceptance, whose few-step average follows the
+    drafter's own confidences, in 5-8 (asserted: at most 10, median at most 8)."""
+    drafting = []
+    for seed in range(20):
+        choices, _ = _expected_run(RegimeChooser(), 700, seed, 8, [(0, 0.72, 95.0, 1.0), (600, 0.45, 95.0, 1.15)], 40.0)
+        drafting.append(sum(choices[600:620]))
+    assert max(drafting) <= 10 and sorted(drafting)[10] <= 8, drafting
+
+
+@pytest.mark.parametrize("bias, spec_ms, drafts", [(1.35, 125.0, False), (0.6, 95.0, True)])
+def test_the_realised_over_expected_ratio_corrects_miscalibrated_confidences(
+    bias: float, spec_ms: float, drafts: bool
+) -> None:
+    """Batch 8. Confidences 35% too high make a drafter at 0.87x plain look like it pays 1.2x; 40% too low make one at
+    1.15x look like it loses. The pooled ratio of realised to expected accepted drafts undoes either: over 20 seeds,
+    plain in all but a few % of steps 300-1,500 in the first case; drafting in 98% of them on average in the second
+    (asserted: 95%, and 75% in every run: one ran at 78%; from realised tokens alone the worst run drafted in 47%)."""
+    shares = []
+    for seed in range(20):
+        chooser = RegimeChooser()
+        choices, _ = _expected_run(chooser, 1500, seed, 8, [(0, 0.72, spec_ms, bias)], 40.0)
+        shares.append(sum(choices[300:]) / len(choices[300:]))
+        ratio = chooser.expectation_ratio()
+        assert ratio is not None and (ratio[0] > 1.2 if bias < 1 else ratio[0] < 0.85), (seed, ratio)
+    mean = sum(shares) / len(shares)
+    assert (mean > 0.95 and min(shares) > 0.75) if drafts else max(shares) < 0.05, shares
