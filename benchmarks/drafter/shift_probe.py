@@ -4,7 +4,7 @@ arms alternating in every round. After each round it reads the regime chooser's 
 regime that keeps drafting at a loss shows why.
 
     python benchmarks/drafter/shift_probe.py OUT.json DRAFTER [DRAFTER ...] [--sets gsm8k mt-bench] [--rounds 2] \
-        [--batch-size 8] [--realised-too]
+        [--batch-size 8] [--realised-too] [--before-too]
 
 Per set and round: each arm's tokens/s, its share of drafting steps, and its regime's tokens/ms per level.
 """
@@ -41,6 +41,12 @@ def main() -> None:
         help="for each drafter, also an engine whose regime chooser ignores the drafts' expected acceptance "
         "(arm dI-realised: drafting's tokens per step from the realised average alone)",
     )
+    ap.add_argument(
+        "--before-too",
+        action="store_true",
+        help="for each drafter, also an engine whose regime chooser ignores expected acceptance and new requests "
+        "(arm dI-before: the chooser as it was before either)",
+    )
     args = ap.parse_args()
     arms = {"none": LLM()} | {
         f"d{i}": LLM(speculative_config={"method": "dspark", "model": d}) for i, d in enumerate(args.drafters)
@@ -50,6 +56,12 @@ def main() -> None:
             llm = arms[f"d{i}-realised"] = LLM(speculative_config={"method": "dspark", "model": d})
             assert llm.engine.core.planner is not None
             llm.engine.core.planner.regime.expectations = False
+    if args.before_too:
+        for i, d in enumerate(args.drafters):
+            llm = arms[f"d{i}-before"] = LLM(speculative_config={"method": "dspark", "model": d})
+            assert llm.engine.core.planner is not None
+            llm.engine.core.planner.regime.expectations = False
+            llm.engine.core.planner.regime.new_text = False
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     prompts = {
         name: tokenize(arms["none"], load_prompts(str(Path(args.data) / f"{name}.jsonl"), args.num_prompts), True)

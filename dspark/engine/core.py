@@ -324,9 +324,13 @@ class EngineCore:
                 raise DSparkError("scheduler made no progress: the KV cache cannot hold even one request")
             return None
         now = time.monotonic()
+        admitted = 0
         for s in sched.scheduled:
-            s.request.first_scheduled_time = s.request.first_scheduled_time or now
+            if not s.request.first_scheduled_time:
+                s.request.first_scheduled_time = now
+                admitted += 1
         if self.planner is not None:
+            self.planner.num_admitted += admitted  # new text for the regime chooser (RegimeChooser.choose's arrivals)
             assert self.timer is not None
             self.timer.step_started()
             self.planner.plan(sched)  # adaptive verification: cut each request's drafts to those worth verifying

@@ -125,6 +125,7 @@ class VerificationPlanner:
         self.regime = RegimeChooser()
         self.num_planned_steps = 0
         self.num_steps_without_drafting = 0  # steps where drafting would not have paid (high load)
+        self.num_admitted = 0  # requests the engine has started running (the core counts them)
         self.sum_budget = 0
         self.plan_ms_total = 0.0  # wall time of plan() over planned steps: the budget choice and the allocation
         self.verify_len_hist = [0] * (num_spec_tokens + 1)  # requests that verified l drafts in a step, l = 0..K
@@ -302,7 +303,7 @@ class VerificationPlanner:
             self._pays_cache[n] = (cached[0], cached[1] - 1, cached[2])
             return cached[0]
 
-        pays = self.regime.choose(n, model_says)
+        pays = self.regime.choose(n, model_says, arrivals=self.num_admitted)
         self.num_steps_without_drafting += not pays
         return pays
 

@@ -35,6 +35,12 @@ every level's verified steps (RATIO_DECAY, a prior of 1). An expectation has non
 so the short memory follows what the prompts are now; the pooled ratio corrects the confidences' calibration (a control
 variate).
 
+A level that went plain explores drafting at that cadence, a burst every few hundred steps, so text that makes
+drafting pay again (a new kind of prompt) would wait that long. So once a whole batch of new requests has started since
+the level last drafted (choose's arrivals), and the measured rates chose drafting there before, it explores drafting
+at once, if that costs at most NEW_TEXT_SHARE of the time between bursts. A level where drafting never won (a loaded
+GPU) explores no more for new requests.
+
 The choice reads only past measurements (among them the survivals of drafts already verified) and the load, never a
 draft it decides about, so verification stays lossless. See
 docs/scheduling.md, "Whether to draft at all".
@@ -64,6 +70,9 @@ RATIO_DECAY = 0.995
 # The ratio's prior: 1 (the drafter's confidences are calibrated), weighing as this many expected accepted drafts, each
 # as uncertain as a fair coin
 RATIO_PRIOR = 8.0
+# A drafting burst for new text (choose's arrivals) may cost up to this share of the time between bursts (the spacing
+# allows EXPLORE_SHARE)
+NEW_TEXT_SHARE = 0.02
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,8 @@ class _Level:
     expected: float = 0.0
     expected_long: float = 0.0  # the same over TOKENS_DECAY's memory: what the level's prompts expect on the whole
     num_expected: int = 0
+    drafted_at: int | None = None  # the engine's arrivals count when this level last drafted
+    drafting_won: bool = False  # the measured rates chose drafting here once: other text may make it pay again
     since: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # steps since each regime last ran
     period: int = FIRST_PERIOD
     burst: int = 0  # steps left in an exploration burst
@@ -109,6 +120,8 @@ class RegimeChooser:
         # A diagnostic: when False, expectations are ignored and drafting's tokens are the realised average alone
         # (benchmarks/drafter/shift_probe.py's A/B of the two estimates)
         self.expectations = True
+        # A diagnostic: when False, choose() ignores arrivals (no drafting burst for new requests)
+        self.new_text = True
         # realised / expected accepted drafts of verified steps at every level, averaged with RATIO_DECAY: weight,
         # squared weight, then the weighted sums of accepted, expected, accepted^2, accepted x expected, expected^2
         self._ratio = [0.0] * 7
@@ -118,10 +131,19 @@ class RegimeChooser:
     def level(num_requests: int) -> int:
         return max(num_requests, 1).bit_length()
 
-    def choose(self, num_requests: int, model_says_draft: bool | Verdict | Callable[[], bool | Verdict]) -> bool:
+    def choose(
+        self,
+        num_requests: int,
+        model_says_draft: bool | Verdict | Callable[[], bool | Verdict],
+        arrivals: int | None = None,
+    ) -> bool:
         """model_says_draft: the cost model's answer, or a function computing it, asked only when the measured rates
         leave the choice to it (none measured yet and no neighbour's verdict): at high load its tensor ops cost more
-        than a plain step, so a function keeps them off steps the measurements already decide."""
+        than a plain step, so a function keeps them off steps the measurements already decide.
+
+        arrivals: how many requests the engine has taken in so far. A level running plain explores drafting as soon as
+        a whole batch of new requests came since it last drafted (NEW_TEXT_SHARE bounds what that may cost): its
+        drafting rate was measured on other text."""
         if self.held is not None:
             return self.held
         level = self.level(num_requests)
@@ -159,9 +181,17 @@ class RegimeChooser:
                 lv.period = FIRST_PERIOD
             if measured:
                 lv.current = choice
+                lv.drafting_won |= choice
             other = not choice
-            own = max(lv.period, self._spacing(lv, rate))
-            if lv.since[other] >= max(own, self._inherited_gap(lv, num_requests)):
+            spacing = self._spacing(lv, rate)
+            own = max(lv.period, spacing)
+            due = lv.since[other] >= max(own, self._inherited_gap(lv, num_requests))
+            if not self.new_text:
+                arrivals = None
+            if not due and other and arrivals is not None and lv.drafted_at is not None and lv.drafting_won:
+                # new text: drafting's rate is stale, the plain one is not (it does not depend on the text)
+                due = arrivals - lv.drafted_at >= num_requests and lv.since[True] * NEW_TEXT_SHARE >= spacing * 0.01
+            if due:
                 lv.burst, lv.burst_regime = BURST - 1, other
                 # A burst's few steps must be able to move the long tokens average of a regime not run for long: a
                 # drafter measured during a long hard stretch would otherwise need dozens of bursts to come back
@@ -179,6 +209,8 @@ class RegimeChooser:
                 choice = other
         lv.since[choice] = 0
         lv.since[not choice] += 1
+        if choice and arrivals is not None:
+            lv.drafted_at = arrivals
         counts = self.num_chosen.setdefault(level, {"spec": 0, "plain": 0})
         counts["spec" if choice else "plain"] += 1
         return choice

@@ -705,3 +705,51 @@ def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, 
     llm.generate(prompts, params)
     assert ending_steps[0] >= 2 and dropped[0] >= 1 and len(observed) >= 20
     assert max(observed) < 150 and max(priced) < 150, (max(observed), max(priced))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_regime_hears_how_many_requests_have_started(untied_model: str, async_scheduling: bool) -> None:
+    """Each request counts once, when it is first scheduled (not when it is added; preemptions: the test below):
+    the regime chooser's new-text signal. The planner passes the count with every choice."""
+    llm = LLM(
+        model=untied_model,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=64,
+        async_scheduling=async_scheduling,
+        max_num_seqs=2,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+        cost_model=_STEEP,
+    )
+    planner = llm.engine.planner
+    assert planner is not None
+    heard: list[int | None] = []
+    choose = planner.regime.choose
+
+    def spy(n: int, model_says: Any, arrivals: int | None = None) -> bool:
+        heard.append(arrivals)
+        return choose(n, model_says, arrivals=arrivals)
+
+    planner.regime.choose = spy  # type: ignore[method-assign]
+    llm.generate(_prompts(5, [6, 9, 7, 8, 5]), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert planner.num_admitted == 5
+    assert heard and heard[-1] == 5 and all(a is not None for a in heard)
+    assert heard == sorted(heard) and heard[0] <= 2  # two at a time: the count grows as requests start
+
+
+def test_a_preempted_request_starts_once_for_the_regime(untied_model: str) -> None:
+    """The cache forces preemptions (as in test_preemption_while_pipelining): a request recomputed after one is not new
+    text, so it is not counted again."""
+    llm = LLM(
+        model=untied_model,
+        dtype="float32",
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=20,
+        async_scheduling=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+        cost_model=_STEEP,
+    )
+    llm.generate(_prompts(7, [8, 7, 9, 8]), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert llm.get_metrics()["num_preemptions"] > 0, "the cache was meant to force preemption"
+    assert llm.engine.planner is not None and llm.engine.planner.num_admitted == 4
