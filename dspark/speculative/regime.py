@@ -189,8 +189,10 @@ class RegimeChooser:
             if not self.new_text:
                 arrivals = None
             if not due and other and arrivals is not None and lv.drafted_at is not None and lv.drafting_won:
-                # new text: drafting's rate is stale, the plain one is not (it does not depend on the text)
-                due = arrivals - lv.drafted_at >= num_requests and lv.since[True] * NEW_TEXT_SHARE >= spacing * 0.01
+                # new text: drafting's rate is stale, the plain one is not (it does not depend on the text). The spacing
+                # makes a burst cost EXPLORE_SHARE of the gap: this one may cost NEW_TEXT_SHARE
+                new_text = arrivals - lv.drafted_at >= num_requests
+                due = new_text and lv.since[True] * NEW_TEXT_SHARE >= spacing * EXPLORE_SHARE
             if due:
                 lv.burst, lv.burst_regime = BURST - 1, other
                 # A burst's few steps must be able to move the long tokens average of a regime not run for long: a
