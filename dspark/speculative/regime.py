@@ -56,6 +56,7 @@ FIRST_PERIOD, MAX_PERIOD = 2, 4096
 EXPLORE_SHARE = 0.01  # once both rates are known: the most a burst of the slower regime may cost of the time between
 MARGIN = 0.03
 DECAY = 0.8  # ms per step: weight of the previous average per new steady step
+MS_OUTLIER = 1.5  # a steady step's ms counts as at most this many times its regime's average (from the third step)
 # tokens per step: a longer memory. A drafting step's tokens swing from 1 to k + 1 and come in runs (a stretch of
 # numbers or names rejects every draft for several steps), so a short average of them dips below plain's rate inside
 # any hard stretch: at batch 1 on CPU, DSpark that makes ~2x plain's rate went plain after runs of 5-7 one-token steps
@@ -322,6 +323,12 @@ class RegimeChooser:
             return
         lv = self.levels.setdefault(self.level(num_requests), _Level())
         n = lv.count[drafted] = lv.count.get(drafted, 0) + 1
+        if n > 2:
+            # one stalled step (a pause of the process, a neighbour's burst) weighs as at most MS_OUTLIER x the average:
+            # taken whole, a 30x one turned a level whose drafting paid 1.15x plain for good (its next burst came
+            # hundreds of steps later, spaced by the rate that step made); clipped at 3x or 2x, it still turned some.
+            # A step cost that really grew is followed at 1.1x a step (twice as dear within 7 steps).
+            ms = min(ms, MS_OUTLIER * lv.ms[drafted])
         # the plain mean of the first steps, then exponential: no first step weighs more than the ones after it
         w_ms, w_tokens = max(1 - DECAY, 1 / n), max(1 - TOKENS_DECAY, 1 / n)
         lv.ms[drafted] = (1 - w_ms) * lv.ms.get(drafted, 0.0) + w_ms * ms
