@@ -7,7 +7,9 @@ ignored.
         [--batch-size B]
 
 Two adaptive arms: the regime chooser as shipped (drafting's tokens per step from the drafts' expected acceptance)
-and adaptive-realised (from the realised tokens alone, as before expected acceptance).
+and adaptive-realised (from the realised tokens alone, and no drafting bursts for new requests). The results in
+benchmarks/results/drafter/regime-expectations-2026-12-03/ came before those bursts existed: there the two arms
+differ by expected acceptance alone.
 
 Per set: each arm's tokens/s and steps per round, the medians of paired ratios to no speculation, and the adaptive
 engine's learned tokens/ms per load level at the end (what its regime chooser believed).
@@ -52,8 +54,11 @@ def main() -> None:
         for arm, held in HELD.items():
             arms[arm] = LLM(speculative_config={"method": "dspark", "model": args.drafter})
             arms[arm].engine.core.planner.regime.held = held
-            # the regime chooser as it was before expected acceptance: drafting's tokens from the realised average
-            arms[arm].engine.core.planner.regime.expectations = arm != "adaptive-realised"
+            # the regime chooser without expected acceptance (drafting's tokens from the realised average) and without
+            # drafting bursts for new requests; the 1.5x clip on a step's time has no switch
+            before = arm == "adaptive-realised"
+            arms[arm].engine.core.planner.regime.expectations = not before
+            arms[arm].engine.core.planner.regime.new_text = not before
         prompts = tokenize(arms["none"], load_prompts(str(Path(args.data) / f"{name}.jsonl"), args.num_prompts), True)
         for llm in arms.values():  # warm-up
             if args.batch_size is not None:

@@ -45,7 +45,8 @@ def main() -> None:
         "--before-too",
         action="store_true",
         help="for each drafter, also an engine whose regime chooser ignores expected acceptance and new requests "
-        "(arm dI-before: the chooser as it was before either)",
+        "(arm dI-before: the chooser as it was before either, except the 1.5x clip on a step's time, which has no "
+        "switch)",
     )
     args = ap.parse_args()
     arms = {"none": LLM()} | {
@@ -94,6 +95,13 @@ def main() -> None:
                     cell["regime_tokens"] = {lvl: dict(lv.tokens) for lvl, lv in planner.regime.levels.items()}
                     cell["regime_period"] = {lvl: lv.period for lvl, lv in planner.regime.levels.items()}
                     cell["regime_expected"] = {lvl: lv.expected for lvl, lv in planner.regime.levels.items()}
+                    # what the drafting rate uses (regime_tokens is the realised average, which it uses only without
+                    # expectations)
+                    cell["regime_drafting_tokens"] = {
+                        lvl: lv.unaccepted + ratio[0] * lv.expected
+                        for lvl, lv in planner.regime.levels.items()
+                        if lv.num_expected and (ratio := planner.regime.expectation_ratio()) is not None
+                    }
                     cell["regime_ratio"] = planner.regime.expectation_ratio()
                 row[arm] = cell
             for arm in arms:

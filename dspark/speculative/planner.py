@@ -431,6 +431,7 @@ class VerificationPlanner:
         """The step's verified blocks, (request id, drafts verified, drafts accepted) each, read against the survivals
         and confidences observe() copied to the host when they were drafted (that copy finished before verification
         did: no device op or wait here). Returns their trace records when asked (raw confidences, counts)."""
+        self.verified_expectation = None  # a step whose timing never took its own (a fault) leaves none behind
         known = [(rid, v, a) for rid, v, a in outcomes if rid in self._pending]
         if not known:
             return []
@@ -459,6 +460,7 @@ class VerificationPlanner:
         survivals = host_t[:, :k][in_block]
         self.calibration.add_blocks(survivals, (positions < accepted)[in_block], verified, accepted)
         self.verified_expectation = (float(survivals.sum()), int(np.minimum(accepted, verified).sum()))
+        self.regime.learn_ratio(*self.verified_expectation)  # every verified step, timed or not
         records: list[dict[str, object]] = []
         if trace:
             for i, (rid, num_verified, num_accepted) in enumerate(known):

@@ -28,18 +28,18 @@ predictions would; the planner gives them only where drafting's cost was measure
 they err towards drafting being cheap. The asymmetry is deliberate: a plain verdict that knows drafting's measured cost
 is the trustworthy side, and a drafting verdict still explores plain steps (cheap) early.
 
-Drafting's tokens per step come from the drafts' expected acceptance where the planner has it (observe's expected: the
-sum of the verified slots' survivals, and the accepted count): the tokens besides accepted drafts plus the expected
-accepted drafts, both over a few steps (PREDICTED_DECAY), times the realised / expected ratio of accepted drafts over
-every level's verified steps (RATIO_DECAY, a prior of 1). An expectation has none of acceptance's step-to-step noise,
-so the short memory follows what the prompts are now; the pooled ratio corrects the confidences' calibration (a control
-variate).
+Drafting's tokens per step come from the drafts' expected acceptance where the planner has it (observe's expected:
+the sum of the verified slots' survivals, and the accepted count): the tokens besides accepted drafts, plus the
+expected accepted drafts times the realised / expected ratio of accepted drafts over every level's verified steps
+(RATIO_DECAY, a prior of 1); both averages over a few steps (PREDICTED_DECAY). An expectation has none of acceptance's
+step-to-step noise, so the short memory follows what the prompts are now; the pooled ratio corrects the confidences'
+calibration (a control variate).
 
 A level that went plain explores drafting at that cadence, a burst every few hundred steps, so text that makes
 drafting pay again (a new kind of prompt) would wait that long. So once a whole batch of new requests has started since
-the level last drafted (choose's arrivals), and the measured rates chose drafting there before, it explores drafting
-at once, if that costs at most NEW_TEXT_SHARE of the time between bursts. A level where drafting never won (a loaded
-GPU) explores no more for new requests.
+the level last drafted (choose's arrivals), and measured drafting beat plain there before by MARGIN, it explores
+drafting at once, if that costs at most NEW_TEXT_SHARE of the time between bursts. A level where drafting never won (a
+loaded GPU) explores no more for new requests.
 
 The choice reads only past measurements (among them the survivals of drafts already verified) and the load, never a
 draft it decides about, so verification stays lossless. See
@@ -98,9 +98,9 @@ class _Level:
     unaccepted: float = 0.0
     expected: float = 0.0
     expected_long: float = 0.0  # the same over TOKENS_DECAY's memory: what the level's prompts expect on the whole
-    num_expected: int = 0
+    num_expected: int = 0  # capped at a burst's start (both averages): the burst's steps weigh more
     drafted_at: int | None = None  # the engine's arrivals count when this level last drafted
-    drafting_won: bool = False  # the measured rates chose drafting here once: other text may make it pay again
+    drafting_won: bool = False  # measured drafting beat plain here once by MARGIN: other text may make it pay again
     since: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # steps since each regime last ran
     period: int = FIRST_PERIOD
     burst: int = 0  # steps left in an exploration burst
@@ -167,6 +167,7 @@ class RegimeChooser:
                 spec, plain = rate[True], rate[False]
                 if spec > plain * (1 + MARGIN) or plain > spec * (1 + MARGIN):
                     choice = spec > plain
+                    lv.drafting_won |= choice  # by the margin: not a near tie, and not the model's lean to drafting
                 else:  # a near tie: stay (hysteresis), the model only when nothing was chosen yet
                     choice = self._current if self._current is not None else ask()
             else:
@@ -182,7 +183,6 @@ class RegimeChooser:
                 lv.period = FIRST_PERIOD
             if measured:
                 lv.current = choice
-                lv.drafting_won |= choice
             other = not choice
             spacing = self._spacing(lv, rate)
             own = max(lv.period, spacing)
@@ -313,12 +313,10 @@ class RegimeChooser:
     ) -> None:
         """One finished step: it counts for a regime only if steady (verified drafts and drafted again, or neither).
         expected: for a step that verified drafts, their expected accepted count (the sum of their survivals) and how
-        many were accepted. Every such step teaches the realised / expected ratio; a steady drafting step's
-        expectation also feeds its level's estimate of drafting's tokens per step (_tokens)."""
+        many were accepted: a steady drafting step's feeds its level's estimate of drafting's tokens per step
+        (_tokens). The ratio learns from every verified step, timed or not (learn_ratio, from the planner)."""
         if not self.expectations:
             expected = None
-        if expected is not None and verified_drafts:
-            self._learn_ratio(*expected)
         if verified_drafts != drafted or ms <= 0:
             return
         lv = self.levels.setdefault(self.level(num_requests), _Level())
@@ -327,7 +325,9 @@ class RegimeChooser:
             # one stalled step (a pause of the process, a neighbour's burst) weighs as at most MS_OUTLIER x the average:
             # taken whole, a 30x one turned a level whose drafting paid 1.15x plain for good (its next burst came
             # hundreds of steps later, spaced by the rate that step made); clipped at 3x or 2x, it still turned some.
-            # A step cost that really grew is followed at 1.1x a step (twice as dear within 7 steps).
+            # A step cost that really grew is followed at 1.1x a step (twice as dear within 7 steps), or, in a regime
+            # revisited only in bursts (whose steps weigh 1/5 and 1/6), at about 1.2x a burst: such a regime can look
+            # cheaper than it now is for a few bursts, and turns are revisited within the doubling period.
             ms = min(ms, MS_OUTLIER * lv.ms[drafted])
         # the plain mean of the first steps, then exponential: no first step weighs more than the ones after it
         w_ms, w_tokens = max(1 - DECAY, 1 / n), max(1 - TOKENS_DECAY, 1 / n)
@@ -342,9 +342,15 @@ class RegimeChooser:
             lv.expected = (1 - w) * lv.expected + w * expected[0]
             w_long = max(1 - TOKENS_DECAY, 1 / lv.num_expected)
             lv.expected_long = (1 - w_long) * lv.expected_long + w_long * expected[0]
+        # NOTE: computed here, with the ratio as it is now; a level that runs plain keeps this rate until its next
+        # drafting burst, whatever the ratio learns meanwhile elsewhere. Recomputed at every choice instead, it did
+        # no better in simulation (an under-confident drafter at batch 8 lost one run of 20 for good)
         lv.rate[drafted] = self._tokens(lv, drafted) / lv.ms[drafted]
 
-    def _learn_ratio(self, expected: float, accepted: int) -> None:
+    def learn_ratio(self, expected: float, accepted: int) -> None:
+        """A verified step's expected and accepted drafts (planner.record), for the realised / expected ratio."""
+        if not self.expectations:
+            return
         d = RATIO_DECAY
         w, w2, a, e, aa, ae, ee = self._ratio
         self._ratio = [

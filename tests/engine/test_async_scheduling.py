@@ -521,9 +521,9 @@ def test_the_regime_hears_each_verified_steps_expected_and_accepted_drafts(
         assert expected is not None
         assert 0.0 < expected[0] and 0 <= expected[1]
         assert tokens <= n + expected[1]
-    assert sum(tokens == n + e[1] for n, _, tokens, e in verified if e is not None) >= len(verified) // 2
+    # a step's tokens fall short of its requests plus accepted drafts only where a request ended inside its block
+    assert sum(tokens != n + e[1] for n, _, tokens, e in verified if e is not None) <= 3
     assert sum(e[1] for *_, e in verified if e is not None) <= planner.calibration.realised
-    assert planner.regime.num_ratio_steps >= len(verified)
 
 
 def test_every_plain_step_of_a_pipelined_run_is_measured(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -447,6 +447,8 @@ def _expected_run(
                 accepted += made - 1
             tokens += made
         ms = spec_ms if drafted else plain_ms
+        if previous and expectations:  # the planner's record() of the step's verification
+            chooser.learn_ratio(expected, accepted)
         chooser.observe(n, previous, drafted, tokens, ms, expected=(expected, accepted) if expectations else None)
         if t >= 300:
             made_total, ms_total = made_total + tokens, ms_total + ms
@@ -502,8 +504,8 @@ def test_a_workload_where_drafting_stops_paying_is_left_within_a_few_steps() -> 
 def test_the_realised_over_expected_ratio_corrects_miscalibrated_confidences(
     bias: float, spec_ms: float, drafts: bool
 ) -> None:
-    """Batch 8. Confidences 35% too high make a drafter at 0.87x plain look like it pays 1.2x; 40% too low make one at
-    1.15x look like it loses. The pooled ratio of realised to expected accepted drafts undoes either: over 20 seeds,
+    """Batch 8. Confidences 35% too high make a drafter at 0.87x plain look like it pays about 2x; 40% too low make one
+    at 1.15x look like it loses. The pooled ratio of realised to expected accepted drafts undoes either: over 20 seeds,
     plain in all but a few % of steps 300-1,500 in the first case; drafting in 98% of them on average in the second
     (asserted: 95%, and 75% in every run: one ran at 78%; from realised tokens alone the worst run drafted in 47%)."""
     shares = []
@@ -512,7 +514,7 @@ def test_the_realised_over_expected_ratio_corrects_miscalibrated_confidences(
         choices, _ = _expected_run(chooser, 1500, seed, 8, [(0, 0.72, spec_ms, bias)], 40.0)
         shares.append(sum(choices[300:]) / len(choices[300:]))
         ratio = chooser.expectation_ratio()
-        assert ratio is not None and (ratio[0] > 1.2 if bias < 1 else ratio[0] < 0.85), (seed, ratio)
+        assert ratio is not None and (ratio[0] > 2.0 if bias < 1 else ratio[0] < 0.5), (seed, ratio)
     mean = sum(shares) / len(shares)
     assert (mean > 0.95 and min(shares) > 0.75) if drafts else max(shares) < 0.05, shares
 
@@ -566,6 +568,8 @@ def _turnover_run(
             tokens += made
             life[i] -= 1
         ms = spec_ms if drafted else plain_ms
+        if previous:
+            chooser.learn_ratio(expected, accepted)
         chooser.observe(n, previous, drafted, tokens, ms, expected=(expected, accepted) if previous else None)
         for w in windows:
             if w[0] <= t < w[1]:
@@ -637,12 +641,14 @@ def _stalled_chooser(regime: bool) -> tuple[RegimeChooser, dict[str, Any]]:
     return chooser, state
 
 
-@pytest.mark.parametrize("regime", [True, False])
-def test_one_stalled_step_does_not_turn_a_level(regime: bool) -> None:
-    """Batch 8, drafting 1.15x plain: one steady step of either regime, after step 400, takes 30x its time (the process
-    paused). Taken whole, one in drafting turned every run of 20 plain for the remaining 1,100 steps; counted as at most
-    MS_OUTLIER x its regime's average, every run drafts in 95% of them or more (asserted: 90%)."""
+@pytest.mark.parametrize("regime, spec_ms", [(True, 95.0), (False, 125.0)])
+def test_one_stalled_step_does_not_turn_a_level(regime: bool, spec_ms: float) -> None:
+    """Batch 8: one steady step of the faster regime, after step 400, takes 30x its time (the process paused). Where
+    drafting pays 1.15x plain, a stalled drafting step taken whole turned every run of 20 plain for the remaining 1,100
+    steps; where it makes 0.87x, a stalled plain step turned them to drafting. Counted as at most MS_OUTLIER x its
+    regime's average, every run stays in the faster regime in 95% of them or more (asserted: 90%)."""
     for seed in range(20):
         chooser, state = _stalled_chooser(regime)
-        choices, _ = _expected_run(chooser, 1500, seed, 8, [(0, 0.72, 95.0, 1.0)], 40.0)
-        assert state["hit"] and sum(choices[400:]) > 0.9 * len(choices[400:]), seed
+        choices, _ = _expected_run(chooser, 1500, seed, 8, [(0, 0.72, spec_ms, 1.0)], 40.0)
+        faster = sum(choices[400:]) if regime else len(choices[400:]) - sum(choices[400:])
+        assert state["hit"] and faster > 0.9 * len(choices[400:]), seed
