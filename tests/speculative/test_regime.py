@@ -410,6 +410,43 @@ def test_a_noisy_drafter_that_does_not_pay_at_batch_8_still_goes_plain(seed: int
     assert sum(choices[300:]) < 0.1 * len(choices[300:])
 
 
+def _request_step(
+    rng: random.Random, hard: list[int], i: int, good: float, bias: float, verifies: bool
+) -> tuple[int, float]:
+    """One request's step in _expected_run's model: the tokens it makes, and its verified block's expected accepted
+    drafts (0 where the step verifies none). A hard stretch starts with probability 0.04 a step and lasts 4-12 steps;
+    the drafter's confidence is good x bias (at most 0.98), or 0.2 in 60% of hard steps."""
+    if hard[i] == 0 and rng.random() < 0.04:
+        hard[i] = rng.randint(4, 12)
+    confidence, made = min(good * bias, 0.98), 1
+    if hard[i]:
+        confidence = 0.2 if rng.random() < 0.6 else confidence
+        hard[i] -= 1
+    elif verifies:
+        while made < 8 and rng.random() < good:
+            made += 1
+    return made, sum(confidence**j for j in range(1, 8)) if verifies else 0.0
+
+
+def _report(
+    chooser: RegimeChooser,
+    n: int,
+    verified: bool,
+    drafted: bool,
+    tokens: int,
+    accepted: int,
+    expected: float,
+    ms: float,
+    expectations: bool = True,
+) -> None:
+    """A simulated step to the chooser as the engine reports it: record()'s ratio, then the step's timing."""
+    if verified and expectations:
+        chooser.learn_ratio(expected, accepted)
+    chooser.observe(
+        n, verified, drafted, tokens, ms, expected=(expected, accepted) if verified and expectations else None
+    )
+
+
 def _expected_run(
     chooser: RegimeChooser,
     steps: int,
@@ -433,23 +470,10 @@ def _expected_run(
         drafted = chooser.choose(n, True)
         tokens, accepted, expected = 0, 0, 0.0
         for i in range(n):
-            if hard[i] == 0 and rng.random() < 0.04:
-                hard[i] = rng.randint(4, 12)
-            confidence, made = min(good * bias, 0.98), 1
-            if hard[i]:
-                confidence = 0.2 if rng.random() < 0.6 else confidence
-                hard[i] -= 1
-            elif previous:
-                while made < 8 and rng.random() < good:
-                    made += 1
-            if previous:
-                expected += sum(confidence**j for j in range(1, 8))
-                accepted += made - 1
-            tokens += made
+            made, block = _request_step(rng, hard, i, good, bias, previous)
+            tokens, accepted, expected = tokens + made, accepted + made - 1, expected + block
         ms = spec_ms if drafted else plain_ms
-        if previous and expectations:  # the planner's record() of the step's verification
-            chooser.learn_ratio(expected, accepted)
-        chooser.observe(n, previous, drafted, tokens, ms, expected=(expected, accepted) if expectations else None)
+        _report(chooser, n, previous, drafted, tokens, accepted, expected, ms, expectations)
         if t >= 300:
             made_total, ms_total = made_total + tokens, ms_total + ms
         choices.append(drafted)
@@ -552,25 +576,11 @@ def _turnover_run(
         drafted = chooser.choose(n, True, arrivals=num_arrived if arrivals else None)
         tokens, accepted, expected = 0, 0, 0.0
         for i in range(n):
-            good, bias = texts[text[i]]
-            if hard[i] == 0 and rng.random() < 0.04:
-                hard[i] = rng.randint(4, 12)
-            confidence, made = min(good * bias, 0.98), 1
-            if hard[i]:
-                confidence = 0.2 if rng.random() < 0.6 else confidence
-                hard[i] -= 1
-            elif previous:
-                while made < 8 and rng.random() < good:
-                    made += 1
-            if previous:
-                expected += sum(confidence**j for j in range(1, 8))
-                accepted += made - 1
-            tokens += made
+            made, block = _request_step(rng, hard, i, *texts[text[i]], previous)
+            tokens, accepted, expected = tokens + made, accepted + made - 1, expected + block
             life[i] -= 1
         ms = spec_ms if drafted else plain_ms
-        if previous:
-            chooser.learn_ratio(expected, accepted)
-        chooser.observe(n, previous, drafted, tokens, ms, expected=(expected, accepted) if previous else None)
+        _report(chooser, n, previous, drafted, tokens, accepted, expected, ms)
         for w in windows:
             if w[0] <= t < w[1]:
                 sums[w][0] += tokens
