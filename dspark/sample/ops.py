@@ -58,11 +58,12 @@ def temperature_probs(
     temperatures: torch.Tensor,  # [n] fp32 on logits' device, softmax_temperatures()
     greedy: torch.Tensor | None = None,  # [n] bool: rows made one-hot at their argmax; None: none
     top: torch.Tensor | None = None,  # [n] int64: logits.argmax(-1), where the caller has it already
+    out: torch.Tensor | None = None,  # [n, vocab] fp32, contiguous: written in place of a new tensor
 ) -> torch.Tensor:
     """[n, vocab] fp32: softmax(logits / temperature) per row, greedy rows one-hot at their argmax.
 
     No host value is read (a CUDA graph can capture it), and each row's values do not depend on the other rows."""
-    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1, out=out)
     if greedy is not None:
         # NOTE: masked_fill_ and a one-column scatter, not probs[greedy] = one_hot(...): boolean indexing waits for the
         # device to count the mask, and a one_hot table is [n, vocab] int64, twice the softmax's bytes.

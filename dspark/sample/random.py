@@ -62,6 +62,15 @@ def uniforms(
     return (_mix_seeds(seed, counter) >> _U64(10)).astype(np.float64) / float(1 << 53)
 
 
+def stream_seeds(seeds: Sequence[int] | np.ndarray, streams: Sequence[int]) -> np.ndarray:
+    """[n, len(streams)] int64: each seed's key for each stream, such that uniforms_at(keys[:, j], counters) is
+    uniforms(seeds, counters, streams[j]). A request's keys are fixed, so a device step can hold them and hash each
+    uniform once instead of salting its seed again at every draw."""
+    seed = np.asarray(seeds, dtype=np.int64).view(np.uint64)
+    keys = [_mix_seeds(seed ^ _U64(_STREAM_SALT), np.full_like(seed, s)) if s else seed.copy() for s in streams]
+    return np.stack(keys, axis=1).view(np.int64).reshape(len(seed), len(streams))
+
+
 def _signed(value: int) -> int:
     """A uint64 constant as the int64 with its bits."""
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -88,7 +97,13 @@ def uniforms_t(seeds: torch.Tensor, counters: torch.Tensor, stream: int = SAMPLE
     seed = seeds.to(torch.int64)
     if stream:
         seed = _mix_seeds_t(seed ^ _signed(_STREAM_SALT), torch.full_like(seed, stream))
-    return (_mix_seeds_t(seed, counters.to(torch.int64)) >> 10).to(torch.float64) / float(1 << 53)
+    return uniforms_at(seed, counters)
+
+
+def uniforms_at(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """uniforms_t() from stream keys (stream_seeds(); a SAMPLE_STREAM key is the seed itself): one hash per uniform,
+    so that a step draws every stream's uniforms in one pass over [keys, counters] stacked side by side."""
+    return (_mix_seeds_t(keys, counters.to(torch.int64)) >> 10).to(torch.float64) / float(1 << 53)
 
 
 def inverse_cdf(p: torch.Tensor, u: float) -> int:
@@ -115,7 +130,8 @@ def inverse_cdf_rows(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     idx = idx.clamp_(max=p.shape[-1] - 1)
     # As in inverse_cdf, a rounding step onto a zero-probability token falls back to the last positive one.
-    last_positive = p.shape[-1] - 1 - (p.flip(-1) > 0).int().argmax(-1)
+    # NOTE: compared, then flipped: the flip copies a byte an entry, not p's eight.
+    last_positive = p.shape[-1] - 1 - (p > 0).flip(-1).int().argmax(-1)
     bad = p.gather(1, idx[:, None]).squeeze(1) <= 0
     return torch.where(bad, last_positive, idx)
 

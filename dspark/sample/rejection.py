@@ -25,10 +25,21 @@ import numpy as np
 import torch
 
 from dspark.sample.ops import softmax_temperatures, temperature_probs
-from dspark.sample.random import ACCEPT_STREAM, RESIDUAL_STREAM, draw, inverse_cdf, uniform, uniforms, uniforms_t
+from dspark.sample.random import (
+    ACCEPT_STREAM,
+    RESIDUAL_STREAM,
+    SAMPLE_STREAM,
+    draw,
+    inverse_cdf,
+    stream_seeds,
+    uniform,
+    uniforms,
+    uniforms_at,
+)
 from dspark.utils.transfer import download, upload, upload_tensor
 
 METHODS = ("probabilistic", "strict")
+VERIFY_STREAMS = (SAMPLE_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM)  # the columns of verify_on_device's stream_keys
 
 
 @dataclass
@@ -188,14 +199,14 @@ def verify_plain(
         drafts[valid] = np.concatenate([r.draft_tokens for r in rows if r.draft_tokens])
     owner = np.repeat(np.arange(num_reqs), lens + 1)
     offset = np.arange(n) - t_start[owner]
-    seeds = [r.seed for r in rows]
+    keys = stream_seeds([r.seed for r in rows], VERIFY_STREAMS)
     firsts = [r.first_counter for r in rows]
     # Everything the device needs in two copies (one int64, one fp32), sliced there, not a dozen uploads (each its own
     # pinned staging copy and transfer: a fixed host cost that matters most for small batches).
-    ints = _Packed([t_start, lens, drafts, greedy, seeds, firsts, d_index, owner, offset], np.int64)
+    ints = _Packed([t_start, lens, drafts, greedy, keys, firsts, d_index, owner, offset], np.int64)
     dev = logits.device
     ints_dev = ints.upload(dev)
-    row_start, num, x, greedy_dev, seeds_dev, firsts_dev, d_dev, owner_dev, offset_dev = (
+    row_start, num, x, greedy_dev, keys_dev, firsts_dev, d_dev, owner_dev, offset_dev = (
         ints.part(ints_dev, i) for i in range(9)
     )
     sampled = not greedy.all()
@@ -207,7 +218,7 @@ def verify_plain(
         x.view(num_reqs, k),
         greedy_dev != 0,
         temps,
-        seeds_dev,
+        keys_dev.view(num_reqs, len(VERIFY_STREAMS)),
         firsts_dev,
         draft_probs if method == "probabilistic" else None,
         d_dev.view(num_reqs, k),
@@ -224,7 +235,7 @@ def verify_on_device(
     drafts: torch.Tensor,  # [R, k] int64 (positions past num_drafts are not read)
     greedy: torch.Tensor,  # [R] bool
     temperatures: torch.Tensor | None,  # [R] fp32 softmax_temperatures(); None: every request is greedy
-    seeds: torch.Tensor,  # [R] int64
+    stream_keys: torch.Tensor,  # [R, 3] int64: random.stream_seeds(seeds, VERIFY_STREAMS)
     first_counters: torch.Tensor,  # [R] int64: the output index of request r's first draft
     draft_probs: torch.Tensor | None,  # [N, vocab]: what each draft was drawn from (probabilistic, sampled requests)
     draft_index: torch.Tensor,  # [R, k] int64: the row of draft_probs of request r's draft j
@@ -251,7 +262,7 @@ def verify_on_device(
     probs = temperature_probs(logits, temperatures[row_owner])  # logits_to_probs's distribution of every row
     if method == "strict":
         # every row's plain draw (the token plain sampling would draw there): what a sampled draft must equal
-        u = uniforms_t(seeds[row_owner], first_counters[row_owner] + row_offset)
+        u = uniforms_at(stream_keys[row_owner, 0], first_counters[row_owner] + row_offset)
         choice = torch.where(greedy[row_owner], tops, draw(probs, u))[t_index]
         accept = (choice[:, :k] == drafts) & valid
         num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
@@ -259,25 +270,34 @@ def verify_on_device(
     assert draft_probs is not None, "probabilistic verification of sampled rows needs the draft distributions"
     if draft_probs.shape[0] == 0:  # no drafts at all: every index points at a zero row, and nothing reads it
         draft_probs = draft_probs.new_zeros(1, logits.shape[1])
-    jk = j[:k]
+    # Every uniform the step may read, in one hash over [R, 2k + 1] (each op of a step is a kernel, and a hash is a
+    # dozen): the acceptance test of each draft, the residual draw at each position (the one read is the first
+    # rejection's) and the bonus draw. The values are uniforms() of the same (seed, output index, stream).
+    num_reqs = drafts.shape[0]
+    column = torch.arange(2 * k + 1, device=logits.device)
+    counters = first_counters[:, None] + torch.where(column < 2 * k, column % k, num_drafts[:, None])
+    keys = torch.cat(
+        [stream_keys[:, 1:2].expand(num_reqs, k), stream_keys[:, 2:3].expand(num_reqs, k), stream_keys[:, :1]], 1
+    )
+    u = uniforms_at(keys, counters)
     # NOTE: u * q < p in fp64, as verify() compares Python floats (exact when q(x) = 0).
     p_x = probs[t_index[:, :k], drafts].double()
     q_x = draft_probs[draft_index, drafts].double()
-    u_accept = uniforms_t(seeds[:, None], first_counters[:, None] + jk[None, :], ACCEPT_STREAM)
-    accept = torch.where(greedy[:, None], choice[:, :k] == drafts, u_accept * q_x < p_x) & valid
+    accept = torch.where(greedy[:, None], choice[:, :k] == drafts, u[:, :k] * q_x < p_x) & valid
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
+    all_accepted = (num_accepted == num_drafts)[:, None]
     at = num_accepted.clamp(max=k - 1)[:, None]
-    # Both ways a request can end its emitted run, computed for every request (fixed shapes): the bonus row's plain
-    # draw (read where every draft was accepted), and the first rejection's correction, a sample of
-    # normalise(max(p - q, 0)) (read where a draft was rejected).
-    bonus_row = t_index.gather(1, num_drafts[:, None]).squeeze(1)
-    bonus = torch.where(greedy, tops[bonus_row], draw(probs[bonus_row], uniforms_t(seeds, first_counters + num_drafts)))
+    # A request ends its emitted run with one draw: the bonus row's plain draw where every draft was accepted, else
+    # the first rejection's correction, a sample of normalise(max(p - q, 0)). Both are computed for every request
+    # (fixed shapes) and the one that applies is drawn from: fp64 rows hold p's fp32 values exactly, so a bonus token
+    # is the bits plain sampling draws.
     p_rej = probs[t_index.gather(1, at).squeeze(1)].double()
     residual = (p_rej - draft_probs[draft_index.gather(1, at).squeeze(1)].double()).clamp_(min=0.0)
     residual = torch.where(residual.sum(dim=-1, keepdim=True) <= 0.0, p_rej, residual)
-    u_residual = uniforms_t(seeds, first_counters + at.squeeze(1), RESIDUAL_STREAM)
-    corrected = torch.where(greedy, choice.gather(1, at).squeeze(1), draw(residual, u_residual))
-    return num_accepted, torch.where(num_accepted == num_drafts, bonus, corrected)
+    bonus_row = t_index.gather(1, num_drafts[:, None]).squeeze(1)
+    final = torch.where(all_accepted, probs[bonus_row].double(), residual)
+    u_final = torch.where(all_accepted, u[:, 2 * k :], u[:, k : 2 * k].gather(1, at)).squeeze(1)
+    return num_accepted, torch.where(greedy, choice.gather(1, num_accepted[:, None]).squeeze(1), draw(final, u_final))
 
 
 class _Packed:

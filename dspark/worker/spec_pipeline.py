@@ -33,8 +33,8 @@ from dspark.attention.base import AttentionBackend, AttentionMetadata
 from dspark.core.request import Request
 from dspark.core.scheduler import SchedulerOutput
 from dspark.sample.ops import softmax_temperatures
-from dspark.sample.random import DRAFT_STREAM, uniforms_t
-from dspark.sample.rejection import verify_on_device
+from dspark.sample.random import DRAFT_STREAM, stream_seeds, uniforms_at
+from dspark.sample.rejection import VERIFY_STREAMS, verify_on_device
 from dspark.speculative.budget import FlatLayout, allocate, flat_layout
 from dspark.speculative.drafters.dspark.drafter import DSparkDrafter
 from dspark.utils.capture import capture_sizes
@@ -42,6 +42,7 @@ from dspark.utils.numerics import padded_rows, rows_for
 from dspark.worker.cuda_graphs import GraphRunner
 
 MIN_CONFIDENCE = 1e-4  # a drafted slot keeps a positive survival: 0 means "no draft here" to allocate
+KEY_STREAMS = (*VERIFY_STREAMS, DRAFT_STREAM)  # the random streams whose keys a row holds (consts[4:8])
 
 
 @dataclass
@@ -107,10 +108,12 @@ class SpecPipeline:
         self.survival = torch.zeros(max_rows, k, **f32)  # 0: no draft
         self.smoothed = torch.zeros(max_rows, k, **f32)  # the EMA of the calibrated confidences
         self.history = torch.zeros(max_rows, dtype=torch.bool, device=device)  # smoothed holds a value
-        # [rows * k, vocab]: what each draft was drawn from (probabilistic drafting); zeros are a valid "no draft"
-        self.draft_probs = torch.zeros(max_rows * k, vocab_size, **f32) if self.sample else None
-        # Per-request constants (gathered with the state): seed, greedy, draft cap, end_at, prompt length, temperature.
-        self.consts = torch.zeros(5, max_rows, **i64)
+        # [k, rows, vocab]: what each draft was drawn from (probabilistic drafting), position-major so that the drafter
+        # writes each position's rows in place (sample_block_with's probs_out); zeros are a valid "no draft"
+        self.draft_probs = torch.zeros(k, max_rows, vocab_size, **f32) if self.sample else None
+        # Per-request constants (gathered with the state): greedy, draft cap, end_at, prompt length, then the seed's
+        # keys of the verification streams and the drafting stream (random.stream_seeds), and the temperature.
+        self.consts = torch.zeros(4 + len(KEY_STREAMS), max_rows, **i64)
         self.temperature = torch.ones(max_rows, **f32)
         # Per step, from the host: the budget, the number of rows and each row's row in the step before.
         self.ctrl = torch.zeros(2 + max_rows, **i64)
@@ -121,7 +124,7 @@ class SpecPipeline:
         pin = {"pin_memory": True} if device.type == "cuda" else {}
         self.h_ctrl = torch.zeros(2 + max_rows, dtype=torch.int64, **pin)
         self.h_tables = torch.zeros(max_rows, self.max_blocks, dtype=torch.int32, **pin)
-        self.h_init = torch.zeros(8, max_rows, dtype=torch.int64, **pin)
+        self.h_init = torch.zeros(3 + self.consts.shape[0], max_rows, dtype=torch.int64, **pin)
         self.h_temps = torch.zeros(max_rows, dtype=torch.float32, **pin)
         # Two host copies of the outputs, alternating: a step's copy lands while the host still reads the last one's.
         self.h_out = [
@@ -225,18 +228,18 @@ class SpecPipeline:
         init = self.h_init.numpy()
         init[0, :n] = [r.num_computed_tokens + previous.num_new[r.request_id] for r in reqs]
         init[1, :n] = [r.num_output_tokens + 1 for r in reqs]  # the plain step's sample becomes an output
-        init[2, :n] = [r.seed for r in reqs]
+        init[2, :n] = [row_of[r.request_id] for r in reqs]
         init[3, :n] = [r.sampling_path == "greedy" for r in reqs]
         k = self.k
         init[4, :n] = [min(k, r.sampling_params.max_speculative_tokens or k) for r in reqs]
         init[5, :n] = [r.end_at for r in reqs]
         init[6, :n] = [len(r.prompt_token_ids) for r in reqs]
-        init[7, :n] = [row_of[r.request_id] for r in reqs]
+        init[7:, :n] = stream_seeds([r.seed for r in reqs], KEY_STREAMS).T
         init_dev = self.h_init[:, :n].to(self.device, non_blocking=True)
         self.num_computed[:n] = init_dev[0]
         self.num_output[:n] = init_dev[1]
-        self.consts[:, :n] = init_dev[2:7]
-        self.last_token[:n] = previous.tokens[init_dev[7]]
+        self.consts[:, :n] = init_dev[3:]
+        self.last_token[:n] = previous.tokens[init_dev[2]]
         self.h_temps.numpy()[:n] = softmax_temperatures([r.sampling_params.temperature for r in reqs])
         self.temperature[:n].copy_(self.h_temps[:n], non_blocking=True)
         self.survival[:n].zero_()
@@ -280,7 +283,7 @@ class SpecPipeline:
         self.consts[:, :r] = self.consts[:, row_from]
         self.temperature[:r] = self.temperature[row_from]
         valid = torch.arange(r, device=self.device) < self.ctrl[1]
-        _, _, cap, end_at, num_prompt = self.consts[:, :r]
+        _, cap, end_at, num_prompt = self.consts[:4, :r]
         room = (end_at - num_prompt - self.num_output[:r] - 1).clamp(min=0)  # tokens it may still emit after one
         caps = torch.where(valid, torch.minimum(cap, room), 0)
         ell = allocate(self.survival[:r], self.ctrl[0:1], caps)
@@ -292,9 +295,10 @@ class SpecPipeline:
     def epilogue_a(self, r: int, logits: torch.Tensor, lay: FlatLayout, ell: torch.Tensor, sampled: bool) -> None:
         """Verify, emit, and append what was emitted to the rows."""
         k = self.k
-        seed, greedy, _, _, _ = self.consts[:, :r]
+        greedy, keys = self.consts[0, :r], self.consts[4:7, :r].t()
         j = torch.arange(k, device=self.device)
-        draft_index = self.ctrl[2 : 2 + r, None] * k + j[None, :]  # the drafts' rows in the step that drew them
+        # the drafts' rows in the step that drew them (draft_probs is position-major)
+        draft_index = j[None, :] * self.max_rows + self.ctrl[2 : 2 + r, None]
         num_accepted, last = verify_on_device(
             logits,
             lay.query_start[:-1].long(),
@@ -302,9 +306,9 @@ class SpecPipeline:
             self.drafts[:r],
             greedy != 0,
             self.temperature[:r] if sampled else None,
-            seed,
+            keys,
             self.num_output[:r],
-            self.draft_probs,
+            None if self.draft_probs is None else self.draft_probs.view(-1, self.vocab_size),
             draft_index,
             lay.owner,
             lay.offset,
@@ -328,8 +332,10 @@ class SpecPipeline:
         anchors, positions, meta, temps, greedy, u_all = self.prologue_b(r, sample)
         self.drafter.flush_context()  # deferred context rows (the fast CPU path), before the block reads them
         backend = self.drafter.backend
-        tokens, probs, confidences = self.drafter.block(backend, meta, anchors, positions, temps, greedy, u_all)
-        self.epilogue_b(r, tokens, probs, confidences)
+        tokens, _, confidences = self.drafter.block(
+            backend, meta, anchors, positions, temps, greedy, u_all, self._probs_out(r, sample)
+        )
+        self.epilogue_b(r, tokens, confidences)
 
     def prologue_b(
         self, r: int, sample: bool, meta_out: AttentionMetadata | None = None
@@ -369,17 +375,20 @@ class SpecPipeline:
             meta.query_start_loc.copy_(query_start)
             meta.seq_lens.copy_(seq_lens)
             meta.block_tables.copy_(self.tables[:r, : meta.block_tables.shape[1]])
-        seed, greedy, _, _, _ = self.consts[:, :r]
+        greedy, key = self.consts[0, :r], self.consts[7, :r]
         u_all = None
         if sample:
             counters = self.num_output[:r, None] + torch.arange(self.k, device=dev)[None, :]
-            u_all = uniforms_t(seed[:, None].expand(r, self.k), counters, DRAFT_STREAM)
+            u_all = uniforms_at(key[:, None].expand(r, self.k), counters)
         return self.last_token[:r], positions, meta, self.temperature[:r], greedy != 0, u_all
 
-    def epilogue_b(
-        self, r: int, tokens: torch.Tensor, probs: torch.Tensor | None, confidences: torch.Tensor | None
-    ) -> None:
-        """The new drafts, their EMA-smoothed confidences and live survivals, into the rows and the outputs."""
+    def _probs_out(self, r: int, sample: bool) -> torch.Tensor | None:
+        """Where a sampling block writes its distributions: the first r rows of every position."""
+        return self.draft_probs[:, :r] if sample and self.draft_probs is not None else None
+
+    def epilogue_b(self, r: int, tokens: torch.Tensor, confidences: torch.Tensor | None) -> None:
+        """The new drafts (their distributions are in draft_probs already), their EMA-smoothed confidences and live
+        survivals, into the rows and the outputs."""
         k = self.k
         assert confidences is not None, "the pipeline needs a drafter with a confidence head"
         current = confidences.float().clamp(MIN_CONFIDENCE, 1.0)
@@ -394,8 +403,6 @@ class SpecPipeline:
         self.smoothed[:r] = smoothed
         self.survival[:r] = survival
         self.history[:r] = valid
-        if probs is not None and self.draft_probs is not None:
-            self.draft_probs.view(self.max_rows, k, -1)[:r] = probs
         self.out_f[:r, :k] = survival
         self.out_f[:r, k:] = current
 
@@ -463,8 +470,17 @@ class SpecPipeline:
 
                     def step_b(r: int = r, sample: bool = sample, backend: object = backend, meta=meta) -> None:
                         anchors, positions, m, temps, greedy, u_all = self.prologue_b(r, sample, meta)
-                        out = self.drafter.block(backend, m, anchors, positions, temps, greedy, u_all)  # type: ignore[arg-type]
-                        self.epilogue_b(r, *out)
+                        tokens, _, conf = self.drafter.block(
+                            backend,  # type: ignore[arg-type]
+                            m,
+                            anchors,
+                            positions,
+                            temps,
+                            greedy,
+                            u_all,
+                            self._probs_out(r, sample),
+                        )
+                        self.epilogue_b(r, tokens, conf)
 
                     self.graphs_b[r, sample] = _capture(step_b, pool, stream)
         torch.cuda.current_stream(dev).wait_stream(stream)

@@ -3,6 +3,7 @@ banned tokens and raw logprobs."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -314,7 +315,7 @@ def test_uniforms_on_tensors_have_the_same_bits() -> None:
     counters past 2**32 (on CUDA in tests/test_gpu.py)."""
     import random
 
-    from dspark.sample.random import DRAFT_STREAM, uniforms_t
+    from dspark.sample.random import DRAFT_STREAM, stream_seeds, uniforms_at, uniforms_t
 
     rng = random.Random(1)
     seeds = [0, 1, 2**63 - 1, 2**62 + 12345, -1, -(2**63)] + [rng.getrandbits(64) - 2**63 for _ in range(500)]
@@ -328,6 +329,14 @@ def test_uniforms_on_tensors_have_the_same_bits() -> None:
     assert grid.tolist() == [
         [uniform(s, c + j, 3) for j in range(7)] for s, c in zip(seeds[:8], counters[:8], strict=True)
     ]
+    # A stream's key, made once per request (stream_seeds), draws the stream's uniforms with one hash each.
+    streams = (0, 1, 2, DRAFT_STREAM)
+    keys = stream_seeds(seeds, streams)
+    assert keys.shape == (len(seeds), 4) and keys.dtype == np.int64
+    for j, stream in enumerate(streams):
+        got = uniforms_at(torch.from_numpy(keys[:, j]), torch.tensor(counters))
+        assert got.numpy().tobytes() == uniforms(seeds, counters, stream).tobytes(), stream
+    assert stream_seeds([], streams).shape == (0, 4)
 
 
 def test_negative_seeds_sample_and_verify() -> None:

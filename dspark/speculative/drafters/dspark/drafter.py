@@ -212,9 +212,11 @@ class DSparkDrafter:
         temps: torch.Tensor,  # [R]
         greedy: torch.Tensor,  # [R]
         u_all: torch.Tensor | None,  # [R, k]; None: argmax drafts
+        probs_out: torch.Tensor | None = None,  # [k, R, vocab]: where sampled drafts' distributions go
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The drafting pass on device inputs (eager, or captured by DraftGraphs): (tokens [R, k], the
-        distributions they were drawn from [R, k, vocab] or None, calibrated confidences [R, k] or None)."""
+        distributions they were drawn from [R, k, vocab] or None (None too when written to probs_out), calibrated
+        confidences [R, k] or None)."""
         cfg = self.model.config
         K, k = cfg.block_size, self.max_num_tokens
         num_reqs = anchor_ids.shape[0]
@@ -232,7 +234,9 @@ class DSparkDrafter:
             anchor_ids = torch.cat([anchor_ids, anchor_ids.new_zeros(r_pad - num_reqs)])
         base = self.target.draft_logits(h.reshape(r_pad * k, -1)).view(r_pad, k, -1)
         model = self.model
-        drafts = sample_block_with(base, h, anchor_ids, model.markov_head, model.confidence_head, temps, greedy, u_all)
+        drafts = sample_block_with(
+            base, h, anchor_ids, model.markov_head, model.confidence_head, temps, greedy, u_all, probs_out
+        )
         confidences = None
         if drafts.confidence_logits is not None:
             # NOTE: not torch.sigmoid, whose vectorised loop gives an element different bits by where it sits.

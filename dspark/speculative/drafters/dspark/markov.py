@@ -103,8 +103,13 @@ def sample_block_with(
     temps: torch.Tensor,  # [R] fp32, softmax_temperatures(): the first R rows are requests, the rest padding
     greedy: torch.Tensor,  # [R] bool
     u_all: torch.Tensor | None,  # [R, k] fp64; None: every draft is the argmax
+    probs_out: torch.Tensor | None = None,  # [k, R, vocab] fp32: where draft j's distributions go (then not returned)
 ) -> BlockDrafts:
-    """sample_block on device inputs only: no host value is read, so a CUDA graph can capture it."""
+    """sample_block on device inputs only: no host value is read, so a CUDA graph can capture it.
+
+    With probs_out, each position's distributions are written there as they are computed (position-major, each
+    [R, vocab] slice contiguous), and BlockDrafts.probs is None: the [R, k, vocab] stack and a caller's copy of it are
+    two passes over every drafted row's vocabulary that a caller keeping the distributions does not need."""
     num_reqs, k = temps.shape[0], base_logits.shape[1]
     sample = u_all is not None
     if u_all is None and head is not None and head.w2t is not None and cpu_kernels.supports(base_logits):
@@ -128,7 +133,7 @@ def sample_block_with(
             conf.append(confidence.logit(h[:, j], e)[:num_reqs])
         top = torch.argmax(logits[:num_reqs], dim=-1)
         if u_all is not None:
-            q = temperature_probs(logits[:num_reqs], temps, greedy, top)
+            q = temperature_probs(logits[:num_reqs], temps, greedy, top, None if probs_out is None else probs_out[j])
             # inverse_cdf_rows, not draw(): it reads no host value on any device, so a graph can capture it
             x = torch.where(greedy, top, inverse_cdf_rows(q, u_all[:, j]))
             probs.append(q)
@@ -138,6 +143,6 @@ def sample_block_with(
         prev = torch.cat([x, prev[num_reqs:]])  # padding rows keep their (ignored) anchors
     return BlockDrafts(
         tokens=torch.stack(tokens, dim=1),
-        probs=torch.stack(probs, dim=1) if sample else None,
+        probs=torch.stack(probs, dim=1) if sample and probs_out is None else None,
         confidence_logits=torch.stack(conf, dim=1) if confidence is not None else None,
     )
