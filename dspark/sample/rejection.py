@@ -242,12 +242,15 @@ def verify_on_device(
     row_owner: torch.Tensor,  # [T] int64: the request each logits row belongs to (padding rows: any request)
     row_offset: torch.Tensor,  # [T] int64: the row's index among its request's rows
     method: str = "probabilistic",
+    iota: torch.Tensor | None = None,  # arange of at least 2k + 1 on logits' device, where the caller keeps one
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The verification decisions on device inputs only: (drafts accepted [R], the corrected or bonus token [R]),
     int64 on logits' device. Shapes are fixed by the inputs' and no value is read on the host, so a CUDA graph can
     capture it (the pipelined speculative step builds these inputs on the device as well)."""
     k = drafts.shape[1]
-    j = torch.arange(k + 1, device=logits.device)
+    if iota is None:
+        iota = torch.arange(2 * k + 1, device=logits.device)
+    j = iota[: k + 1]
     # [R, k + 1]: the row of each position, draft j for j < num_drafts and the bonus row from num_drafts on. An empty
     # (padding) request starts where the real rows end, which can be past the last row: clamped, and never read.
     last_row = logits.shape[0] - 1
@@ -274,7 +277,7 @@ def verify_on_device(
     # dozen): the acceptance test of each draft, the residual draw at each position (the one read is the first
     # rejection's) and the bonus draw. The values are uniforms() of the same (seed, output index, stream).
     num_reqs = drafts.shape[0]
-    column = torch.arange(2 * k + 1, device=logits.device)
+    column = iota[: 2 * k + 1]
     counters = first_counters[:, None] + torch.where(column < 2 * k, column % k, num_drafts[:, None])
     keys = torch.cat(
         [stream_keys[:, 1:2].expand(num_reqs, k), stream_keys[:, 2:3].expand(num_reqs, k), stream_keys[:, :1]], 1
@@ -288,14 +291,14 @@ def verify_on_device(
     all_accepted = (num_accepted == num_drafts)[:, None]
     at = num_accepted.clamp(max=k - 1)[:, None]
     # A request ends its emitted run with one draw: the bonus row's plain draw where every draft was accepted, else
-    # the first rejection's correction, a sample of normalise(max(p - q, 0)). Both are computed for every request
-    # (fixed shapes) and the one that applies is drawn from: fp64 rows hold p's fp32 values exactly, so a bonus token
-    # is the bits plain sampling draws.
-    p_rej = probs[t_index.gather(1, at).squeeze(1)].double()
-    residual = (p_rej - draft_probs[draft_index.gather(1, at).squeeze(1)].double()).clamp_(min=0.0)
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) <= 0.0, p_rej, residual)
-    bonus_row = t_index.gather(1, num_drafts[:, None]).squeeze(1)
-    final = torch.where(all_accepted, probs[bonus_row].double(), residual)
+    # the first rejection's correction, a sample of normalise(max(p - q, 0)). t_index at num_accepted is the row
+    # either reads (the bonus row, or the rejected draft's: num_accepted < num_drafts <= k), and the residual is
+    # computed for every request (fixed shapes) and drawn from where it applies. fp64 rows hold p's fp32 values
+    # exactly, so a bonus token is the bits plain sampling draws.
+    p_end = probs[t_index.gather(1, num_accepted[:, None]).squeeze(1)].double()
+    residual = (p_end - draft_probs[draft_index.gather(1, at).squeeze(1)].double()).clamp_(min=0.0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) <= 0.0, p_end, residual)
+    final = torch.where(all_accepted, p_end, residual)
     u_final = torch.where(all_accepted, u[:, 2 * k :], u[:, k : 2 * k].gather(1, at)).squeeze(1)
     return num_accepted, torch.where(greedy, choice.gather(1, num_accepted[:, None]).squeeze(1), draw(final, u_final))
 

@@ -161,6 +161,7 @@ def flat_layout(
     block_tables: torch.Tensor,  # [R, max_blocks] int
     block_size: int,
     num_tokens: int,  # the padded row count, at least sum(num_plain + counts), known on the host: no read-back
+    iota: torch.Tensor | None = None,  # arange of at least num_tokens on counts' device, where the caller keeps one
 ) -> FlatLayout:
     """The flattened verify batch built on the counts' device with fixed shapes (a CUDA graph can capture it): request r
     feeds positions num_computed[r] .. + num_plain[r] + counts[r] - 1; rows past the last request's are padding."""
@@ -169,7 +170,7 @@ def flat_layout(
     lengths = (num_plain + counts).to(torch.int64)
     query_start = torch.zeros(num_reqs + 1, dtype=torch.int64, device=dev)
     query_start[1:] = torch.cumsum(lengths, 0)
-    row = torch.arange(num_tokens, device=dev)
+    row = torch.arange(num_tokens, device=dev) if iota is None else iota[:num_tokens]
     owner = torch.searchsorted(query_start[1:], row, right=True).clamp_(max=num_reqs - 1)
     offset = row - query_start[owner]
     real = row < query_start[-1]

@@ -42,7 +42,7 @@ from dspark.utils.numerics import padded_rows, rows_for
 from dspark.worker.cuda_graphs import GraphRunner
 
 MIN_CONFIDENCE = 1e-4  # a drafted slot keeps a positive survival: 0 means "no draft here" to allocate
-KEY_STREAMS = (*VERIFY_STREAMS, DRAFT_STREAM)  # the random streams whose keys a row holds (consts[4:8])
+KEY_STREAMS = (*VERIFY_STREAMS, DRAFT_STREAM)  # the random streams whose keys a row holds (consts[:, 4:8])
 
 
 @dataclass
@@ -100,23 +100,32 @@ class SpecPipeline:
         self.sample = drafter.sample
         i64 = {"dtype": torch.int64, "device": device}
         f32 = {"dtype": torch.float32, "device": device}
-        # Per-request state, carried from step to step (rows in the order of the step that wrote them).
-        self.last_token = torch.zeros(max_rows, **i64)  # the token each request feeds next
-        self.num_computed = torch.zeros(max_rows, **i64)  # tokens with KV: last_token sits at this position
-        self.num_output = torch.zeros(max_rows, **i64)  # output tokens, last_token included: the next RNG counter
-        self.drafts = torch.zeros(max_rows, k, **i64)
-        self.survival = torch.zeros(max_rows, k, **f32)  # 0: no draft
-        self.smoothed = torch.zeros(max_rows, k, **f32)  # the EMA of the calibrated confidences
-        self.history = torch.zeros(max_rows, dtype=torch.bool, device=device)  # smoothed holds a value
+        # Per-request state, carried from step to step (rows in the order of the step that wrote them). It lives in
+        # two tables, one int64 and one fp32, so that a step gathers its rows in two ops (each op of a step is a
+        # kernel); the names below are views of their columns.
+        self.state_i = torch.zeros(max_rows, 3 + k + 4 + len(KEY_STREAMS), **i64)
+        self.state_f = torch.zeros(max_rows, 2 * k + 2, **f32)
+        self.last_token = self.state_i[:, 0]  # the token each request feeds next
+        self.num_computed = self.state_i[:, 1]  # tokens with KV: last_token sits at this position
+        self.num_output = self.state_i[:, 2]  # output tokens, last_token included: the next RNG counter
+        self.drafts = self.state_i[:, 3 : 3 + k]
+        # Per-request constants: greedy, draft cap, end_at, prompt length, then the seed's keys of the verification
+        # streams and the drafting stream (random.stream_seeds).
+        self.consts = self.state_i[:, 3 + k :]
+        self.survival = self.state_f[:, :k]  # 0: no draft
+        self.smoothed = self.state_f[:, k : 2 * k]  # the EMA of the calibrated confidences
+        self.temperature = self.state_f[:, 2 * k]
+        self.temperature.fill_(1.0)  # rows never started are padding: a finite softmax
+        self.history = self.state_f[:, 2 * k + 1]  # 1: smoothed holds a value
         # [k, rows, vocab]: what each draft was drawn from (probabilistic drafting), position-major so that the drafter
         # writes each position's rows in place (sample_block_with's probs_out); zeros are a valid "no draft"
         self.draft_probs = torch.zeros(k, max_rows, vocab_size, **f32) if self.sample else None
-        # Per-request constants (gathered with the state): greedy, draft cap, end_at, prompt length, then the seed's
-        # keys of the verification streams and the drafting stream (random.stream_seeds), and the temperature.
-        self.consts = torch.zeros(4 + len(KEY_STREAMS), max_rows, **i64)
-        self.temperature = torch.ones(max_rows, **f32)
         # Per step, from the host: the budget, the number of rows and each row's row in the step before.
         self.ctrl = torch.zeros(2 + max_rows, **i64)
+        # 0, 1, 2, ...: a step slices its index ranges from it rather than making each (a kernel each); grown to the
+        # largest padded step before graphs are captured (_grow_iota).
+        self.iota = torch.arange(max(max_rows * (k + 1), 2 * k + 1, self.block) + 1, **i64)
+        self.valid = torch.zeros(max_rows, dtype=torch.bool, device=device)  # the rows of this step's requests
         self.max_blocks = -(-(max_model_len + self.block) // block_size)
         self.tables = torch.zeros(max_rows, self.max_blocks, dtype=torch.int32, device=device)
         self.out_i = torch.zeros(max_rows, k + 3, **i64)
@@ -124,7 +133,7 @@ class SpecPipeline:
         pin = {"pin_memory": True} if device.type == "cuda" else {}
         self.h_ctrl = torch.zeros(2 + max_rows, dtype=torch.int64, **pin)
         self.h_tables = torch.zeros(max_rows, self.max_blocks, dtype=torch.int32, **pin)
-        self.h_init = torch.zeros(3 + self.consts.shape[0], max_rows, dtype=torch.int64, **pin)
+        self.h_init = torch.zeros(3 + self.consts.shape[1], max_rows, dtype=torch.int64, **pin)
         self.h_temps = torch.zeros(max_rows, dtype=torch.float32, **pin)
         # Two host copies of the outputs, alternating: a step's copy lands while the host still reads the last one's.
         self.h_out = [
@@ -238,12 +247,12 @@ class SpecPipeline:
         init_dev = self.h_init[:, :n].to(self.device, non_blocking=True)
         self.num_computed[:n] = init_dev[0]
         self.num_output[:n] = init_dev[1]
-        self.consts[:, :n] = init_dev[3:]
+        self.consts[:n] = init_dev[3:].t()
         self.last_token[:n] = previous.tokens[init_dev[2]]
         self.h_temps.numpy()[:n] = softmax_temperatures([r.sampling_params.temperature for r in reqs])
         self.temperature[:n].copy_(self.h_temps[:n], non_blocking=True)
         self.survival[:n].zero_()
-        self.history[:n] = False
+        self.history[:n] = 0.0
         self._sampled = not bool(init[3, :n].all())
 
     def _stage_tables(self, reqs: list[Request]) -> None:
@@ -277,17 +286,18 @@ class SpecPipeline:
         """Gather the continuing requests' rows, allocate the budget over their live survivals and lay out the step."""
         k = self.k
         row_from = self.ctrl[2 : 2 + r]
-        for t in (self.last_token, self.num_computed, self.num_output, self.drafts, self.survival, self.smoothed):
-            t[:r] = t[row_from]
-        self.history[:r] = self.history[row_from]
-        self.consts[:, :r] = self.consts[:, row_from]
-        self.temperature[:r] = self.temperature[row_from]
-        valid = torch.arange(r, device=self.device) < self.ctrl[1]
-        _, cap, end_at, num_prompt = self.consts[:4, :r]
+        self.state_i[:r] = self.state_i[row_from]
+        self.state_f[:r] = self.state_f[row_from]
+        # Which rows hold a request, for every part of the step (the drafting graph's included).
+        torch.lt(self.iota[: self.max_rows], self.ctrl[1], out=self.valid)
+        valid = self.valid[:r]
+        _, cap, end_at, num_prompt = self.consts[:r, :4].unbind(1)
         room = (end_at - num_prompt - self.num_output[:r] - 1).clamp(min=0)  # tokens it may still emit after one
         caps = torch.where(valid, torch.minimum(cap, room), 0)
         ell = allocate(self.survival[:r], self.ctrl[0:1], caps)
-        lay = flat_layout(valid.long(), ell, self.num_computed[:r], self.tables[:r], self.block_size, num_tokens)
+        lay = flat_layout(
+            valid.long(), ell, self.num_computed[:r], self.tables[:r], self.block_size, num_tokens, self.iota
+        )
         drafted = self.drafts[:r][lay.owner, (lay.offset - 1).clamp(0, k - 1)]
         ids = torch.where(lay.offset == 0, self.last_token[:r][lay.owner], drafted)
         return torch.where(lay.real, ids, 0), lay, ell
@@ -295,8 +305,8 @@ class SpecPipeline:
     def epilogue_a(self, r: int, logits: torch.Tensor, lay: FlatLayout, ell: torch.Tensor, sampled: bool) -> None:
         """Verify, emit, and append what was emitted to the rows."""
         k = self.k
-        greedy, keys = self.consts[0, :r], self.consts[4:7, :r].t()
-        j = torch.arange(k, device=self.device)
+        greedy, keys = self.consts[:r, 0], self.consts[:r, 4:7]
+        j = self.iota[:k]
         # the drafts' rows in the step that drew them (draft_probs is position-major)
         draft_index = j[None, :] * self.max_rows + self.ctrl[2 : 2 + r, None]
         num_accepted, last = verify_on_device(
@@ -313,9 +323,10 @@ class SpecPipeline:
             lay.owner,
             lay.offset,
             self.method,
+            self.iota,
         )
-        valid = torch.arange(r, device=self.device) < self.ctrl[1]
-        jj = torch.arange(k + 1, device=self.device)[None, :]
+        valid = self.valid[:r]
+        jj = self.iota[None, : k + 1]
         emitted = torch.where(
             jj < num_accepted[:, None], torch.cat([self.drafts[:r], self.drafts[:r, :1]], 1), last[:, None]
         )
@@ -323,8 +334,7 @@ class SpecPipeline:
         self.out_i[:r, : k + 1] = torch.where(jj <= num_accepted[:, None], emitted, 0)
         self.out_i[:r, k + 1] = num_emitted
         self.out_i[:r, k + 2] = torch.where(valid, ell, 0)
-        self.num_computed[:r] += num_emitted
-        self.num_output[:r] += num_emitted
+        self.state_i[:r, 1:3] += num_emitted[:, None]  # num_computed and num_output
         self.last_token[:r] = torch.where(valid, last, self.last_token[:r])
 
     def run_b(self, r: int, sample: bool) -> None:
@@ -341,15 +351,15 @@ class SpecPipeline:
         self, r: int, sample: bool, meta_out: AttentionMetadata | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The block's inputs from the rows: its anchor (the last token) at the position after the computed ones."""
-        K, bs, dev = self.block, self.block_size, self.device
-        valid = torch.arange(r, device=dev) < self.ctrl[1]
+        K, bs = self.block, self.block_size
+        valid = self.valid[:r]
         anchor_pos = self.num_computed[:r]
-        pos = anchor_pos[:, None] + torch.arange(K, device=dev)[None, :]  # [r, K]
+        pos = anchor_pos[:, None] + self.iota[None, :K]  # [r, K]
         column = (pos // bs).clamp(max=self.max_blocks - 1)
         slots = self.tables[:r].long().gather(1, column) * bs + pos % bs
         slots = torch.where(valid[:, None], slots, -1).reshape(-1)
         seq_lens = torch.where(valid, anchor_pos + K, 0).to(torch.int32)
-        rows_before = torch.minimum(torch.arange(r + 1, device=dev), self.ctrl[1])
+        rows_before = torch.minimum(self.iota[: r + 1], self.ctrl[1])
         query_start = (rows_before * K).to(torch.int32)
         num_tokens = r * K
         pad = rows_for(num_tokens, self.drafter.pad_rows) - num_tokens
@@ -375,10 +385,10 @@ class SpecPipeline:
             meta.query_start_loc.copy_(query_start)
             meta.seq_lens.copy_(seq_lens)
             meta.block_tables.copy_(self.tables[:r, : meta.block_tables.shape[1]])
-        greedy, key = self.consts[0, :r], self.consts[7, :r]
+        greedy, key = self.consts[:r, 0], self.consts[:r, 7]
         u_all = None
         if sample:
-            counters = self.num_output[:r, None] + torch.arange(self.k, device=dev)[None, :]
+            counters = self.num_output[:r, None] + self.iota[None, : self.k]
             u_all = uniforms_at(key[:, None].expand(r, self.k), counters)
         return self.last_token[:r], positions, meta, self.temperature[:r], greedy != 0, u_all
 
@@ -394,10 +404,10 @@ class SpecPipeline:
         current = confidences.float().clamp(MIN_CONFIDENCE, 1.0)
         if self.alpha > 0:
             mixed = self.alpha * self.smoothed[:r] + (1.0 - self.alpha) * current
-            smoothed = torch.where(self.history[:r, None], mixed, current)
+            smoothed = torch.where(self.history[:r, None] > 0, mixed, current)
         else:
             smoothed = current
-        valid = torch.arange(r, device=self.device) < self.ctrl[1]
+        valid = self.valid[:r]
         survival = torch.where(valid[:, None], torch.cumprod(smoothed, dim=1), 0.0)
         self.drafts[:r] = tokens
         self.smoothed[:r] = smoothed
@@ -411,7 +421,13 @@ class SpecPipeline:
         CPU test needs to reach the graphs' padding."""
         self.sizes_a = capture_sizes(max_tokens)
         self.sizes_b = capture_sizes(self.max_rows)
+        self._grow_iota(max(self.sizes_a))
         self.pad_eagerly = True
+
+    def _grow_iota(self, num_tokens: int) -> None:
+        """iota long enough for a step of num_tokens rows (its layout's row indices)."""
+        if self.iota.numel() <= num_tokens:
+            self.iota = torch.arange(num_tokens + 1, dtype=torch.int64, device=self.device)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------------------
 
@@ -422,6 +438,7 @@ class SpecPipeline:
         variant and one that samples. Captured with every row invalid (ctrl's row count 0): nothing is written."""
         q = self.k + 1
         self.sizes_a = list(target.sizes.get(q, []))
+        self._grow_iota(max(self.sizes_a, default=0))
         self.sizes_b = capture_sizes(self.max_rows)
         K = self.block
         n = self.sizes_b[-1] * K

@@ -154,6 +154,21 @@ def test_rejection_sampled_output_does_not_depend_on_the_batch(
     assert engine.runner.pipeline is not None and engine.runner.pipeline.num_launched >= 10
 
 
+def test_a_one_row_pipeline_samples_what_a_wider_one_does(
+    tiny_model_dirs: dict[str, Path], echo_drafters: dict[str, Path]
+) -> None:
+    """An engine of one sequence (the pipeline's tables one row wide, its draft distributions one row a position)
+    samples each request exactly as an engine of four does with the request alone."""
+    model = tiny_model_dirs["llama"]
+    prompts = _prompts(4, [6, 13])
+    params = [SamplingParams(temperature=0.9, seed=11 + i, max_tokens=30, ignore_eos=True) for i in range(2)]
+    spec = {"method": "dspark", "model": str(echo_drafters["llama"]), "enable_adaptive_verification": False}
+    wide, narrow = _llm(model, spec, max_num_seqs=4), _llm(model, spec, max_num_seqs=1)
+    for p, sp in zip(prompts, params, strict=True):
+        assert _tokens(narrow, [p], [sp]) == _tokens(wide, [p], [sp])
+    assert narrow.engine.runner.pipeline is not None and narrow.engine.runner.pipeline.num_launched >= 10
+
+
 def test_a_pipeline_ends_and_starts_again_around_an_admission_and_stops(
     tiny_model_dirs: dict[str, Path], echo_drafters: dict[str, Path]
 ) -> None:

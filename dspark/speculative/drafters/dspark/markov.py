@@ -109,7 +109,9 @@ def sample_block_with(
 
     With probs_out, each position's distributions are written there as they are computed (position-major, each
     [R, vocab] slice contiguous), and BlockDrafts.probs is None: the [R, k, vocab] stack and a caller's copy of it are
-    two passes over every drafted row's vocabulary that a caller keeping the distributions does not need."""
+    two passes over every drafted row's vocabulary that a caller keeping the distributions does not need. Its greedy
+    rows hold their softmax at the greedy temperature, not a one-hot: the caller (the pipelined step) verifies them by
+    argmax and reads no greedy row's distribution."""
     num_reqs, k = temps.shape[0], base_logits.shape[1]
     sample = u_all is not None
     if u_all is None and head is not None and head.w2t is not None and cpu_kernels.supports(base_logits):
@@ -133,14 +135,18 @@ def sample_block_with(
             conf.append(confidence.logit(h[:, j], e)[:num_reqs])
         top = torch.argmax(logits[:num_reqs], dim=-1)
         if u_all is not None:
-            q = temperature_probs(logits[:num_reqs], temps, greedy, top, None if probs_out is None else probs_out[j])
+            if probs_out is None:
+                q = temperature_probs(logits[:num_reqs], temps, greedy, top)
+            else:  # greedy rows are verified by argmax, and their distribution left unread: not made one-hot
+                q = temperature_probs(logits[:num_reqs], temps, out=probs_out[j])
             # inverse_cdf_rows, not draw(): it reads no host value on any device, so a graph can capture it
             x = torch.where(greedy, top, inverse_cdf_rows(q, u_all[:, j]))
             probs.append(q)
         else:
             x = top
         tokens.append(x)
-        prev = torch.cat([x, prev[num_reqs:]])  # padding rows keep their (ignored) anchors
+        # padding rows keep their (ignored) anchors; without padding rows, no copy (a kernel a position)
+        prev = x if num_reqs == prev.shape[0] else torch.cat([x, prev[num_reqs:]])
     return BlockDrafts(
         tokens=torch.stack(tokens, dim=1),
         probs=torch.stack(probs, dim=1) if sample and probs_out is None else None,
