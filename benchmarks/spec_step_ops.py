@@ -32,13 +32,19 @@ import collections
 import functools
 import json
 import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import dspark
 from dspark import LLM, SamplingParams
+from dspark.bench.throughput import machine_info
 from dspark.models import llama
 from dspark.sample import random as random_module
 from dspark.sample import rejection
@@ -206,8 +212,16 @@ def main() -> None:
                     if key.startswith(args.by_op + ":"):
                         print(f"    {key} {v}")
     if args.output_json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        head = {
+            "command": "python " + " ".join(sys.argv),
+            "commit": commit,  # of the checkout run from (the dspark imported may be another: PYTHONPATH)
+            "dspark": str(Path(dspark.__file__).parent),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": machine_info(torch.device("cpu")),
+        }
         with open(args.output_json, "w") as f:
-            json.dump({"command": "python benchmarks/spec_step_ops.py", "rows": rows}, f, indent=1)
+            json.dump(head | {"rows": rows}, f, indent=1)
     print("median device ops:", statistics.median(r["device_ops"] for r in rows))
 
 
