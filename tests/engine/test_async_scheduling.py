@@ -561,18 +561,21 @@ def test_every_plain_step_of_a_pipelined_run_is_measured(tiny_model_dirs: dict[s
     assert continued_plain[0] >= 10 and measured_plain[0] == continued_plain[0]
 
 
-def _plain_adaptive_ngram(model: str, async_scheduling: bool = True, **kw: Any) -> LLM:
-    """Adaptive n-gram speculation held in its plain regime: every decode step that can be pipelined is."""
-    llm = LLM(
+def _adaptive_ngram(model: str, async_scheduling: bool = True, **kw: Any) -> LLM:
+    """Adaptive n-gram speculation (k = 4) under the steep cost model; kw overrides the engine's other settings."""
+    settings: dict[str, Any] = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 64} | kw
+    return LLM(
         model=model,
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        num_kv_blocks=64,
         async_scheduling=async_scheduling,
         speculative_config={"method": "ngram", "num_speculative_tokens": 4},
         cost_model=_STEEP,
-        **kw,
+        **settings,
     )
+
+
+def _plain_adaptive_ngram(model: str, async_scheduling: bool = True, **kw: Any) -> LLM:
+    """Adaptive n-gram speculation held in its plain regime: every decode step that can be pipelined is."""
+    llm = _adaptive_ngram(model, async_scheduling, **kw)
     assert llm.engine.planner is not None
     llm.engine.planner.should_draft = lambda request_ids: False  # type: ignore[method-assign]
     return llm
@@ -711,16 +714,7 @@ def test_the_host_work_of_ending_requests_is_not_a_step_cost(untied_model: str, 
 def test_the_regime_hears_how_many_requests_have_started(untied_model: str, async_scheduling: bool) -> None:
     """Each request counts once, when it is first scheduled (not when it is added; preemptions: the test below):
     the regime chooser's new-text signal. The planner passes the count with every choice."""
-    llm = LLM(
-        model=untied_model,
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        num_kv_blocks=64,
-        async_scheduling=async_scheduling,
-        max_num_seqs=2,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
-        cost_model=_STEEP,
-    )
+    llm = _adaptive_ngram(untied_model, async_scheduling, max_num_seqs=2)
     planner = llm.engine.planner
     assert planner is not None
     heard: list[int | None] = []
@@ -740,16 +734,7 @@ def test_the_regime_hears_how_many_requests_have_started(untied_model: str, asyn
 def test_a_preempted_request_starts_once_for_the_regime(untied_model: str) -> None:
     """The cache forces preemptions (as in test_preemption_while_pipelining): a request recomputed after one is not new
     text, so it is not counted again."""
-    llm = LLM(
-        model=untied_model,
-        dtype="float32",
-        max_model_len=64,
-        block_size=4,
-        num_kv_blocks=20,
-        async_scheduling=True,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
-        cost_model=_STEEP,
-    )
+    llm = _adaptive_ngram(untied_model, max_model_len=64, block_size=4, num_kv_blocks=20)
     llm.generate(_prompts(7, [8, 7, 9, 8]), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert llm.get_metrics()["num_preemptions"] > 0, "the cache was meant to force preemption"
     assert llm.engine.planner is not None and llm.engine.planner.num_admitted == 4
