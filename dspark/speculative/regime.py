@@ -41,6 +41,13 @@ the level last drafted (choose's arrivals), and measured drafting beat plain the
 drafting at once, if that costs at most NEW_TEXT_SHARE of the time between bursts. A level where drafting never won (a
 loaded GPU) explores no more for new requests.
 
+A busy machine (another process, a stalled host) slows both regimes, while only the running one is measured. So the
+regime not running is priced at its measured ms times how far the running regime's ms per request has moved since
+(common mode), and a steady step at most 1 / MS_RESET of its regime's average (the other work ended) starts that
+average again. A simulated batch 8 with every step 6x slower for 300 steps then runs the faster regime for 94% or
+more of the next 800 steps in each of 20 runs, as without the contention; before, some runs stayed in the slower
+one for all of them.
+
 The choice reads only past measurements (among them the survivals of drafts already verified) and the load, never a
 draft it decides about, so verification stays lossless. See
 docs/scheduling.md, "Whether to draft at all".
@@ -57,6 +64,7 @@ EXPLORE_SHARE = 0.01  # once both rates are known: the most a burst of the slowe
 MARGIN = 0.03
 DECAY = 0.8  # ms per step: weight of the previous average per new steady step
 MS_OUTLIER = 1.5  # a steady step's ms counts as at most this many times its regime's average (from the third step)
+MS_RESET = 2.0  # a steady step this many times faster than its regime's average replaces it
 # tokens per step: a longer memory. A drafting step's tokens swing from 1 to k + 1 and come in runs (a stretch of
 # numbers or names rejects every draft for several steps), so a short average of them dips below plain's rate inside
 # any hard stretch: at batch 1 on CPU, DSpark that makes ~2x plain's rate went plain after runs of 5-7 one-token steps
@@ -107,6 +115,10 @@ class _Level:
     burst_regime: bool = False
     predicted: Verdict | None = None  # the model's last plain verdict with predictions, while nothing is measured
     current: bool | None = None  # the regime this level last chose outside a burst
+    load: dict[bool, float] = field(default_factory=dict)  # drafting? -> requests a steady step (averaged as ms)
+    # drafting? -> the other regime's ms per request when this one's ms was last measured: the regime not running is
+    # priced at its measured ms times how far the running one's cost per request moved since (_effective)
+    ref_cost: dict[bool, float] = field(default_factory=dict)
 
 
 class RegimeChooser:
@@ -160,10 +172,10 @@ class RegimeChooser:
             lv.burst -= 1
             choice = lv.burst_regime
         else:
-            rate = lv.rate
+            rate = self._effective(lv)[0]
             measured = len(rate) == 2
             if measured:
-                rate = {True: rate[True], False: self._plain_floor(level)}
+                rate = {True: rate[True], False: self._plain_floor(level, rate[False])}
                 spec, plain = rate[True], rate[False]
                 if spec > plain * (1 + MARGIN) or plain > spec * (1 + MARGIN):
                     choice = spec > plain
@@ -181,6 +193,10 @@ class RegimeChooser:
                 # the measurements turned: the regime left is revisited soon again (the gaps doubled while it ruled
                 # would otherwise keep a turn made by noise for thousands of steps)
                 lv.period = FIRST_PERIOD
+                # the regime taken up is measured from its price now; the one left was last measured at that price
+                self._rebase(lv, choice)
+                if choice in lv.ms:
+                    lv.ref_cost[not choice] = self._cost(lv, choice)
             if measured:
                 lv.current = choice
             other = not choice
@@ -218,14 +234,47 @@ class RegimeChooser:
         counts["spec" if choice else "plain"] += 1
         return choice
 
-    def _plain_floor(self, level: int) -> float:
+    def _effective(self, lv: _Level) -> tuple[dict[bool, float], dict[bool, float]]:
+        """The level's (rate, ms) of each regime, the one not running priced as of now: its measured ms scaled by how
+        far the running regime's ms per request moved since (ref_cost). What slows the machine (another process,
+        a stalled host) slows both. Priced as last measured instead, a plain level that another process held for a
+        minute (plain steps at 103-147 ms against ~20, on CPU) then drafted at 0.71-0.76x of plain: its plain price
+        was the contended one, and plain ran again only in rare bursts. A change in the other regime's own cost is
+        found at its next burst."""
+        rate, ms = dict(lv.rate), dict(lv.ms)
+        current = lv.current
+        if current is None or current not in lv.ms:
+            return rate, ms
+        other = not current
+        ref = lv.ref_cost.get(other)
+        if other in ms and ref:
+            drift = self._cost(lv, current) / ref
+            ms[other] *= drift
+            rate[other] /= drift
+        return rate, ms
+
+    @staticmethod
+    def _cost(lv: _Level, regime: bool) -> float:
+        """A regime's ms per request a step: what load within the level (its requests come and go) moves less than a
+        step's ms, and a busy machine moves as much."""
+        return lv.ms[regime] / max(lv.load[regime], 1.0)
+
+    def _rebase(self, lv: _Level, regime: bool) -> None:
+        """Store the regime's ms (and rate) as _effective prices them now, before it is measured again."""
+        ms = self._effective(lv)[1]
+        if regime in ms and lv.ms[regime] > 0:
+            drift = ms[regime] / lv.ms[regime]
+            lv.ms[regime] *= drift
+            lv.rate[regime] /= drift
+
+    def _plain_floor(self, level: int, rate: float | None = None) -> float:
         """The level's plain rate, but never below the plain rate one level down: more requests a plain step do not
         make fewer tokens a millisecond, and a regime a level no longer runs is re-measured only in rare bursts.
         Only the plain rate, and only from the next level down: drafting's rate moves with acceptance (temperature,
         prompts), so a lower load's could keep a level drafting at a loss that no measurement there would undo; a
         floored plain rate errs at worst to plain steps, no-spec's speed. Without the floor, one level's plain rate read
         far too low keeps that level drafting for good, since it rarely runs plain steps to correct it."""
-        rate = self.levels[level].rate[False]
+        rate = self.levels[level].rate[False] if rate is None else rate
         below = self.levels.get(level - 1)
         return max(rate, below.rate[False]) if below is not None and False in below.rate else rate
 
@@ -261,11 +310,11 @@ class RegimeChooser:
         its step time scaled to match), the slower one taken optimistically (_optimism), and 0 (the period alone) where
         that reaches the faster; before that from the model's predictions where its plain verdict has them (Verdict),
         as they are; else 0."""
-        ms = lv.ms
-        floored = rate is not None and len(rate) == 2 and len(ms) == 2 and lv.rate[False] > 0
-        if floored and rate[False] != lv.rate[False]:
-            ms = {True: ms[True], False: ms[False] * lv.rate[False] / rate[False]}  # the same tokens a step, faster
-        rate = lv.rate if rate is None else rate
+        own_rate, ms = self._effective(lv)
+        floored = rate is not None and len(rate) == 2 and len(ms) == 2 and own_rate[False] > 0
+        if floored and rate[False] != own_rate[False]:
+            ms = {True: ms[True], False: ms[False] * own_rate[False] / rate[False]}  # the same tokens a step, faster
+        rate = own_rate if rate is None else rate
         measured = len(rate) == 2 and len(ms) == 2
         if not measured:
             p = lv.predicted
@@ -320,6 +369,10 @@ class RegimeChooser:
         if verified_drafts != drafted or ms <= 0:
             return
         lv = self.levels.setdefault(self.level(num_requests), _Level())
+        if lv.current is not None and drafted != lv.current:
+            self._rebase(
+                lv, drafted
+            )  # a burst's step: blended into its regime's ms as priced now, not as last measured
         n = lv.count[drafted] = lv.count.get(drafted, 0) + 1
         if n > 2:
             # one stalled step (a pause of the process, a neighbour's burst) weighs as at most MS_OUTLIER x the average:
@@ -331,7 +384,13 @@ class RegimeChooser:
             ms = min(ms, MS_OUTLIER * lv.ms[drafted])
         # the plain mean of the first steps, then exponential: no first step weighs more than the ones after it
         w_ms, w_tokens = max(1 - DECAY, 1 / n), max(1 - TOKENS_DECAY, 1 / n)
+        if n > 1 and ms * MS_RESET < lv.ms[drafted]:
+            # nothing makes a step much faster than its cost, while a busy machine slows every step: a step at a
+            # fraction of its regime's average (other work ended) starts the average again. Steps of one regime
+            # differ less than that (a drafting step's verified drafts move its cost by less than 2x)
+            w_ms = 1.0
         lv.ms[drafted] = (1 - w_ms) * lv.ms.get(drafted, 0.0) + w_ms * ms
+        lv.load[drafted] = (1 - w_ms) * lv.load.get(drafted, 0.0) + w_ms * num_requests
         lv.tokens[drafted] = (1 - w_tokens) * lv.tokens.get(drafted, 0.0) + w_tokens * tokens
         lv.square[drafted] = (1 - w_tokens) * lv.square.get(drafted, 0.0) + w_tokens * tokens * tokens
         lv.seen[drafted] += 1
@@ -346,6 +405,8 @@ class RegimeChooser:
         # drafting burst, whatever the ratio learns meanwhile elsewhere. Recomputed at every choice instead, it did
         # no better in simulation (an under-confident drafter at batch 8 lost one run of 20 for good)
         lv.rate[drafted] = self._tokens(lv, drafted) / lv.ms[drafted]
+        if (not drafted) in lv.ms:
+            lv.ref_cost[drafted] = self._cost(lv, not drafted)
 
     def learn_ratio(self, expected: float, accepted: int) -> None:
         """A verified step's expected and accepted drafts (planner.record), for the realised / expected ratio."""
