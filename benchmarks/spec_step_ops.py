@@ -3,9 +3,9 @@
     python benchmarks/spec_step_ops.py --concurrency 1 64 --temperature 0 1 [--output-json F.json] [--by-op PART]
 
 At small batches a pipelined step (worker/spec_pipeline.py) is one CUDA graph of many tiny kernels, and its device
-time grows with their count: on the H200 at C = 1 a fixed-7 step took 1.71 ms at T = 0 and 3.16 ms at T = 1
-(`benchmarks/results/h200/spec-goal.json`), the same model and block, only more sampling kernels. This script runs
-the same step eagerly on CPU (fp32, the default model and its shipped drafter, fixed k = 7, graphs' padded shapes)
+time grows with their count: on the H200 at C = 1 a fixed-7 step took 1.72 ms of device time at T = 0 and 3.17 ms at
+T = 1 (`benchmarks/results/h200/spec-goal.json`), the same model and block, only more sampling kernels. This script
+runs the same step eagerly on CPU (fp32, the default model and its shipped drafter, fixed k = 7, graphs' padded shapes)
 and counts the operations that reach the device, with a dispatch mode, by part:
 
 - gather, allocate and lay out (SpecPipeline.prologue_a; the allocation is its torch twin here, one Triton kernel on
@@ -16,7 +16,8 @@ and counts the operations that reach the device, with a dispatch mode, by part:
   runs, not the CPU's one C call), and the new survivals (epilogue_b);
 - the step's own copies (ctrl, block tables, outputs).
 
-Views (slices, reshapes, transposes), `empty` and a `to` that returns its input launch nothing and are not counted.
+Draws take CUDA's branches: batched, and a one-row draw padded to two rows (random.inverse_cdf_rows), so that C = 1
+counts what CUDA launches. Views (slices, reshapes, transposes), `empty` and a `to` that returns its input launch nothing and are not counted.
 A read of a device value on the host (`item`, `tolist`) is counted apart, as syncs: the eager path reads a few (the
 attention's host lists), graphs none. Beside the count, the bytes each op reads and writes (its tensor arguments and
 its output, each once; a gather its output twice): at large batches the vocabulary-wide rows of sampling (softmax,
@@ -136,6 +137,15 @@ def _instrument() -> None:
     drafter_module.DSparkDrafter.flush_context = _in_part("cpu flush", drafter_module.DSparkDrafter.flush_context)
     # What CUDA runs: the Markov loop, not the CPU's one C call for greedy blocks; every draw batched, not row by row.
     rejection.draw = random_module.inverse_cdf_rows
+    # ... including the one-row case, which CUDA pads to two rows (random.inverse_cdf_rows) and a CPU does not
+    one_row = random_module.inverse_cdf_rows
+
+    def cuda_rows(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if p.shape[0] == 1:
+            return one_row(torch.cat([p, torch.zeros_like(p)]), torch.cat([u, u]))[:1]
+        return one_row(p, u)
+
+    random_module.inverse_cdf_rows = rejection.draw = markov_module.inverse_cdf_rows = cuda_rows
     markov_module.cpu_kernels = type("NoCpuKernels", (), {"supports": staticmethod(lambda x: False)})
 
 
@@ -213,6 +223,10 @@ def main() -> None:
                         print(f"    {key} {v}")
     if args.output_json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+        commit += "+uncommitted" if changed.stdout.strip() else ""
         head = {
             "command": "python " + " ".join(sys.argv),
             "commit": commit,  # of the checkout run from (the dspark imported may be another: PYTHONPATH)

@@ -250,6 +250,7 @@ def verify_on_device(
     k = drafts.shape[1]
     if iota is None:
         iota = torch.arange(2 * k + 1, device=logits.device)
+    assert iota.numel() >= 2 * k + 1, (iota.numel(), k)  # a slice past the end would be short, silently
     j = iota[: k + 1]
     # [R, k + 1]: the row of each position, draft j for j < num_drafts and the bonus row from num_drafts on. An empty
     # (padding) request starts where the real rows end, which can be past the last row: clamped, and never read.

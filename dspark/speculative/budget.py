@@ -170,6 +170,8 @@ def flat_layout(
     lengths = (num_plain + counts).to(torch.int64)
     query_start = torch.zeros(num_reqs + 1, dtype=torch.int64, device=dev)
     query_start[1:] = torch.cumsum(lengths, 0)
+    if iota is not None:  # a slice past the end would be short, silently
+        assert iota.numel() >= num_tokens, (iota.numel(), num_tokens)
     row = torch.arange(num_tokens, device=dev) if iota is None else iota[:num_tokens]
     owner = torch.searchsorted(query_start[1:], row, right=True).clamp_(max=num_reqs - 1)
     offset = row - query_start[owner]

@@ -350,7 +350,8 @@ class SpecPipeline:
     def prologue_b(
         self, r: int, sample: bool, meta_out: AttentionMetadata | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The block's inputs from the rows: its anchor (the last token) at the position after the computed ones."""
+        """The block's inputs from the rows: its anchor (the last token) at the position after the computed ones. Reads
+        `valid`, which this step's prologue_a wrote: steps 7-8 run only after steps 1-6 of the same launch."""
         K, bs = self.block, self.block_size
         valid = self.valid[:r]
         anchor_pos = self.num_computed[:r]

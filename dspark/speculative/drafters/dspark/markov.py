@@ -137,7 +137,7 @@ def sample_block_with(
         if u_all is not None:
             if probs_out is None:
                 q = temperature_probs(logits[:num_reqs], temps, greedy, top)
-            else:  # greedy rows are verified by argmax, and their distribution left unread: not made one-hot
+            else:  # greedy rows are verified by argmax (their distribution is read, then discarded): no one-hot
                 q = temperature_probs(logits[:num_reqs], temps, out=probs_out[j])
             # inverse_cdf_rows, not draw(): it reads no host value on any device, so a graph can capture it
             x = torch.where(greedy, top, inverse_cdf_rows(q, u_all[:, j]))
