@@ -17,11 +17,12 @@ and counts the operations that reach the device, with a dispatch mode, by part:
 - the step's own copies (ctrl, block tables, outputs).
 
 Draws take CUDA's branches: batched, and a one-row draw padded to two rows (random.inverse_cdf_rows), so that C = 1
-counts what CUDA launches. Views (slices, reshapes, transposes), `empty` and a `to` that returns its input launch nothing and are not counted.
-A read of a device value on the host (`item`, `tolist`) is counted apart, as syncs: the eager path reads a few (the
-attention's host lists), graphs none. Beside the count, the bytes each op reads and writes (its tensor arguments and
-its output, each once; a gather its output twice): at large batches the vocabulary-wide rows of sampling (softmax,
-the draws' fp64 scans) dominate them. Both figures are counts, not times: what an op costs on a GPU is measured there.
+counts what CUDA launches. Views (slices, reshapes, transposes), `empty` and a `to` that returns its input launch
+nothing and are not counted. A read of a device value on the host (`item`, `tolist`) is counted apart, as syncs: the
+eager path reads a few (the attention's host lists), graphs none. Beside the count, the bytes each op reads and writes
+(its tensor arguments and its output, each once; a gather its output twice; an `out=` tensor counts as read too): at
+large batches the vocabulary-wide rows of sampling (softmax, the draws' fp64 scans) dominate them. Both figures are
+counts, not times: what an op costs on a GPU is measured there.
 
 The script is not part of the package: nothing imports it.
 """
