@@ -224,8 +224,10 @@ def main() -> None:
                         print(f"    {key} {v}")
     if args.output_json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        changed = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        changed = subprocess.run(  # code, not results: a run rewriting its own JSON is not a change of code
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"],
+            capture_output=True,
+            text=True,
         )
         commit += "+uncommitted" if changed.stdout.strip() else ""
         head = {
