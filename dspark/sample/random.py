@@ -89,20 +89,12 @@ def _mix_seeds_t(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return (z ^ _shr(z, 31)) & ((1 << 63) - 1)
 
 
-def uniforms_t(seeds: torch.Tensor, counters: torch.Tensor, stream: int = SAMPLE_STREAM) -> torch.Tensor:
-    """uniforms() computed where the tensors are (int64 seeds and counters of any shape -> float64, the same bits), so
-    that a step whose counters exist only on the device (a request's output length after a verification the host has
-    not read yet) can draw without the host: pipelined speculative steps (worker/spec_pipeline.py,
-    rejection.verify_on_device) draw with it."""
-    seed = seeds.to(torch.int64)
-    if stream:
-        seed = _mix_seeds_t(seed ^ _signed(_STREAM_SALT), torch.full_like(seed, stream))
-    return uniforms_at(seed, counters)
-
-
 def uniforms_at(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """uniforms_t() from stream keys (stream_seeds(); a SAMPLE_STREAM key is the seed itself): one hash per uniform,
-    so that a step draws every stream's uniforms in one pass over [keys, counters] stacked side by side."""
+    """uniforms() computed where the tensors are, from a stream's keys (stream_seeds(); a SAMPLE_STREAM key is the
+    seed itself): int64 keys and counters of any shape -> float64, the same bits. A step whose counters exist only on
+    the device (a request's output length after a verification the host has not read yet) draws without the host:
+    pipelined speculative steps (worker/spec_pipeline.py, rejection.verify_on_device) do, every stream's uniforms in
+    one hash over their keys and counters side by side."""
     return (_mix_seeds_t(keys, counters.to(torch.int64)) >> 10).to(torch.float64) / float(1 << 53)
 
 

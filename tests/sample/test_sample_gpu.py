@@ -75,14 +75,16 @@ def test_cuda_verify_plain_gives_verifys_tokens() -> None:
 
 
 def test_cuda_uniforms_on_the_device_have_the_hosts_bits() -> None:
-    """uniforms_t() on CUDA tensors is uniforms() bit for bit (int64 products wrap there as on the CPU)."""
+    """uniforms_at() on CUDA tensors, from stream keys, is uniforms() bit for bit (int64 products wrap there as on the
+    CPU)."""
     import random
 
-    from dspark.sample.random import uniforms, uniforms_t
+    from dspark.sample.random import stream_seeds, uniforms, uniforms_at
 
     rng = random.Random(2)
     seeds = [0, 1, 2**63 - 1, -1, -(2**63)] + [rng.getrandbits(64) - 2**63 for _ in range(4000)]
     counters = [0, 2**40 + 7, 1, 2**33, 5] + [rng.randrange(0, 1 << 40) for _ in range(4000)]
-    for stream in (0, 1, 7):
-        got = uniforms_t(torch.tensor(seeds, device="cuda"), torch.tensor(counters, device="cuda"), stream)
+    keys = stream_seeds(seeds, (0, 1, 7))
+    for j, stream in enumerate((0, 1, 7)):
+        got = uniforms_at(torch.from_numpy(keys[:, j]).cuda(), torch.tensor(counters, device="cuda"))
         assert got.cpu().numpy().tobytes() == uniforms(seeds, counters, stream).tobytes(), stream

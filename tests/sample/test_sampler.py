@@ -311,32 +311,29 @@ def test_vectorised_uniforms_have_the_scalar_bits() -> None:
 
 
 def test_uniforms_on_tensors_have_the_same_bits() -> None:
-    """uniforms_t() on int64 tensors is uniforms() bit for bit, on every stream and shape: extreme and negative seeds,
-    counters past 2**32 (on CUDA in tests/test_gpu.py)."""
+    """uniforms_at() on int64 tensors, from a stream's keys (stream_seeds, made once per request), is uniforms() bit
+    for bit, on every stream and shape: extreme and negative seeds, counters past 2**32 (on CUDA in
+    tests/sample/test_sample_gpu.py)."""
     import random
 
-    from dspark.sample.random import DRAFT_STREAM, stream_seeds, uniforms_at, uniforms_t
+    from dspark.sample.random import DRAFT_STREAM, stream_seeds, uniforms_at
 
     rng = random.Random(1)
     seeds = [0, 1, 2**63 - 1, 2**62 + 12345, -1, -(2**63)] + [rng.getrandbits(64) - 2**63 for _ in range(500)]
     counters = [0, 2**40 + 7, 1, 255, 3, 2**33] + [rng.randrange(0, 1 << 40) for _ in range(500)]
-    for stream in (0, 1, 2, DRAFT_STREAM):
-        want = uniforms(seeds, counters, stream)
-        got = uniforms_t(torch.tensor(seeds), torch.tensor(counters), stream)
-        assert got.dtype == torch.float64 and got.numpy().tobytes() == want.tobytes(), stream
-    grid = uniforms_t(torch.tensor(seeds[:8])[:, None], torch.tensor(counters[:8])[:, None] + torch.arange(7), 3)
-    assert grid.shape == (8, 7)
-    assert grid.tolist() == [
-        [uniform(s, c + j, 3) for j in range(7)] for s, c in zip(seeds[:8], counters[:8], strict=True)
-    ]
-    # A stream's key, made once per request (stream_seeds), draws the stream's uniforms with one hash each.
     streams = (0, 1, 2, DRAFT_STREAM)
     keys = stream_seeds(seeds, streams)
     assert keys.shape == (len(seeds), 4) and keys.dtype == np.int64
     for j, stream in enumerate(streams):
         got = uniforms_at(torch.from_numpy(keys[:, j]), torch.tensor(counters))
+        assert got.dtype == torch.float64, stream
         assert got.numpy().tobytes() == uniforms(seeds, counters, stream).tobytes(), stream
     assert stream_seeds([], streams).shape == (0, 4)
+    grid = uniforms_at(torch.from_numpy(keys[:8, 3:4]), torch.tensor(counters[:8])[:, None] + torch.arange(7))
+    assert grid.shape == (8, 7)
+    assert grid.tolist() == [
+        [uniform(s, c + j, DRAFT_STREAM) for j in range(7)] for s, c in zip(seeds[:8], counters[:8], strict=True)
+    ]
 
 
 def test_negative_seeds_sample_and_verify() -> None:
