@@ -111,7 +111,7 @@ def sample_block_with(
     [R, vocab] slice contiguous), and BlockDrafts.probs is None: the [R, k, vocab] stack and a caller's copy of it are
     two passes over every drafted row's vocabulary that a caller keeping the distributions does not need. Its greedy
     rows hold their softmax at the greedy temperature, not a one-hot: the caller (the pipelined step) verifies them by
-    argmax and reads no greedy row's distribution."""
+    argmax, and what it computes from their distributions it discards."""
     num_reqs, k = temps.shape[0], base_logits.shape[1]
     sample = u_all is not None
     if u_all is None and head is not None and head.w2t is not None and cpu_kernels.supports(base_logits):
@@ -141,7 +141,8 @@ def sample_block_with(
                 q = temperature_probs(logits[:num_reqs], temps, out=probs_out[j])
             # inverse_cdf_rows, not draw(): it reads no host value on any device, so a graph can capture it
             x = torch.where(greedy, top, inverse_cdf_rows(q, u_all[:, j]))
-            probs.append(q)
+            if probs_out is None:
+                probs.append(q)
         else:
             x = top
         tokens.append(x)
