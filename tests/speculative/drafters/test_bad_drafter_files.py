@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from dspark import LLM, ModelLoadError
 from dspark.models.config import ModelConfig
 from dspark.models.loader import load_config
+from dspark.speculative.drafters.dspark import int8
 from dspark.speculative.drafters.dspark.checkpoint import load_drafter, random_drafter, save_drafter
 from dspark.speculative.drafters.dspark.config import DSparkConfig
 
@@ -137,6 +138,18 @@ def _edit_tensors(drafter: Path, edit: Callable[[dict[str, torch.Tensor]], objec
     save_file(tensors, str(drafter / WEIGHTS))
 
 
+def _int8_fc(scale: Callable[[torch.Tensor], torch.Tensor] | None) -> Callable[[dict[str, torch.Tensor]], object]:
+    """Store fc.weight as int8, with its scales edited by `scale` (None: no scales at all)."""
+
+    def edit(ts: dict[str, torch.Tensor]) -> None:
+        q, s = int8.quantize(ts["fc.weight"])
+        ts["fc.weight"] = q
+        if scale is not None:
+            ts["fc.weight_scale"] = scale(s)
+
+    return edit
+
+
 TENSOR_DAMAGE: dict[str, tuple[Callable[[dict[str, torch.Tensor]], object], str, str]] = {
     # name: (edit the tensors; "" if the error names the directory (no one file is at fault), else the file; problem)
     "missing": (lambda ts: ts.pop("layers.0.self_attn.o_proj.weight"), "", "missing tensors layers.0.self_attn"),
@@ -156,6 +169,25 @@ TENSOR_DAMAGE: dict[str, tuple[Callable[[dict[str, torch.Tensor]], object], str,
         WEIGHTS,
         "'norm.weight' has dtype torch.int32; weights are floating point",
     ),
+    "int8-without-scales": (_int8_fc(None), WEIGHTS, "'fc.weight' is int8 without 'fc.weight_scale'"),
+    "scales-of-nothing": (
+        lambda ts: ts.update({"lm_head.weight_scale": torch.ones(4)}),
+        WEIGHTS,
+        "'lm_head.weight_scale' scales 'lm_head.weight', which no file holds",
+    ),
+    "scales-of-a-float-weight": (
+        lambda ts: ts.update({"fc.weight_scale": torch.ones(64)}),
+        WEIGHTS,
+        "'fc.weight_scale' scales 'fc.weight', which has dtype torch.float32; scales go with int8 weights",
+    ),
+    "scales-too-few": (
+        _int8_fc(lambda s: s[:3]),
+        WEIGHTS,
+        r"'fc.weight_scale' has shape \(3,\); 'fc.weight' \(64, 64\) needs one per row",
+    ),
+    "scales-integer": (_int8_fc(lambda s: s.to(torch.int32)), WEIGHTS, "scales are floating point"),
+    "scales-negative": (_int8_fc(lambda s: -s), WEIGHTS, "holds a negative or non-finite scale"),
+    "scales-nan": (_int8_fc(lambda s: s.index_fill(0, torch.tensor([2]), float("nan"))), WEIGHTS, "non-finite"),
 }
 
 
