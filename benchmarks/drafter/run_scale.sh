@@ -10,8 +10,10 @@
 #                 `dspark eval-drafter` at T = 0 and T = 1 on the first 80 prompts of gsm8k, humaneval, mbpp and
 #                 mt-bench of $DATA/deepspec_eval (those present).
 # PHASE may name several, run in that order in one command: PHASE="gen train finish" on a fresh machine. INIT=DIR
-# fine-tunes that drafter (e.g. dspark/assets/smollm2-135m-dspark) instead of starting from random weights; LR sets
-# the peak learning rate, PPS the prompts per pool source, PROMPT_S gen's seconds for writing prompts.
+# fine-tunes that drafter (e.g. dspark/assets/smollm2-135m-dspark) instead of starting from random weights, GROW=N
+# with it adds N identity layers on top (train-drafter --grow-layers); LR sets the peak learning rate, PPS the
+# prompts per pool source, PROMPT_S gen's seconds for writing prompts. INT8=1 ships the drafter with int8 weights
+# (export.py --int8: a 4-layer drafter stays under the repository's 24 MB) instead of bf16.
 # Each phase brings back under $OUT (8 files, 64 MiB at most): drafter-results.tar.gz.part-* (results JSON/MD/PNG,
 # logs, the held-out and self-written prompts), after train and finish the drafter as it ships (bf16,
 # ship.tar.gz.part-*), after gen the training data (sequences.npz.part-*, uint16) while under DATA_MAX_MB.
@@ -56,9 +58,9 @@ for s in gsm8k humaneval mbpp mt-bench; do
   if [ -e "$f" ]; then EVAL_SETS+=(--dataset "$f"); else echo "note: $f is missing: not evaluated"; fi
 done
 quiet() { tr "\r" "\n" | grep -Ev "(it/s|s/it|req/s|s/req)[],]|^\s*$"; }  # no progress bars in the logs
-ship() {  # the main drafter in bf16, how it ships, straight to $OUT (a run cut short still brings it back)
+ship() {  # the main drafter as it ships (bf16; int8 with INT8=1) to $OUT (a run cut short still brings it back)
   [ -e "$R/main/drafter/config.json" ] || return 0
-  "$PY" benchmarks/drafter/export.py "$R/main/drafter" "$R/ship" && rm -f "$OUT"/ship.tar.gz.part-* &&
+  "$PY" benchmarks/drafter/export.py "$R/main/drafter" "$R/ship" ${INT8:+--int8} && rm -f "$OUT"/ship.tar.gz.part-* &&
     tar czf - -C "$R" ship | split -b 15m -d - "$OUT/ship.tar.gz.part-"
 }
 bring_back() {  # results and logs (and, after gen, the data while small enough) under $OUT
@@ -96,7 +98,7 @@ fi
 
 if has train; then
   [ -e "$R/main/sequences.npz" ] || { echo "train: no $R/main/sequences.npz: run PHASE=gen (or RESTORE)"; exit 1; }
-  INIT_ARGS=(); [ -n "${INIT:-}" ] && INIT_ARGS=(--init-from "$INIT")
+  INIT_ARGS=(); [ -n "${INIT:-}" ] && INIT_ARGS=(--init-from "$INIT" --grow-layers "${GROW:-0}")
   timeout $((MAIN_S + 150)) "$PY" -m dspark train-drafter --data-dir "$DATA" --output-dir "$R/main" "${DRAFTER[@]}" \
     --steps "$MAIN_STEPS" --time-limit "$MAIN_S" --batch-size "$BATCH" --blocks-per-sequence "$BLOCKS" \
     --checkpoint-every "$CKPT" ${LR:+--lr "$LR"} "${INIT_ARGS[@]}" "${ENGINE[@]}" --gpu-memory-utilization 0.2 2>&1 | quiet | tee -a "$R/train.log" \

@@ -44,7 +44,7 @@ examples:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from dspark.train.driver import TrainConfig, train_drafter
+    from dspark.train.driver import TrainConfig, check_grow, train_drafter
 
     names = {f.name for f in dataclasses.fields(TrainConfig)} - {"block_size"}  # --block-size is the KV cache's
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, block_size=args.draft_block_size)
@@ -65,6 +65,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         raise ConfigError("time_limit", cfg.time_limit, "a positive number of seconds")
     if cfg.init_from is not None and not (Path(cfg.init_from) / "config.json").is_file():
         raise ConfigError("init_from", cfg.init_from, "a drafter directory with config.json and *.safetensors")
+    check_grow(cfg)  # before the engine loads
     if not Path(cfg.data_dir).is_dir():
         raise ConfigError("data_dir", cfg.data_dir, "must be a directory laid out as ../shared/data")
     llm = load_llm(engine_config(args))
@@ -212,6 +213,14 @@ def add_parser(subparsers: Any) -> None:
         help="fine-tune this drafter (e.g. dspark/assets/smollm2-135m-dspark) when --output-dir has no checkpoint yet; "
         "its shape replaces --num-layers, --markov-rank and --draft-block-size, and its calibration is dropped "
         "(run calibrate-drafter after)",
+    )
+    g.add_argument(
+        "--grow-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N layers on top of the --init-from drafter, each starting as the identity, so the deeper drafter "
+        "starts out drafting exactly as its source (default: 0)",
     )
     add_engine_args(train)
     train.set_defaults(func=cmd_train_drafter)

@@ -28,6 +28,7 @@ from dspark.llm import LLM
 from dspark.speculative.drafters.dspark.checkpoint import load_drafter, random_drafter, save_drafter
 from dspark.speculative.drafters.dspark.config import DSparkConfig
 from dspark.train.data import Sequence, load_sequences, prompt_pool, regenerate, save_sequences, sequences_file
+from dspark.train.grow import grow
 from dspark.train.trainer import batch_loss, make_optimizer, optimiser_step, pad_batch
 
 
@@ -51,6 +52,7 @@ class TrainConfig:
     time_limit: float | None = None  # seconds of the training loop (answering the pool comes first, untimed): stop
     # early, checkpointed, and resume later with the same settings
     init_from: str | None = None  # a drafter to fine-tune (the shipped one, say) when the run has no checkpoint yet
+    grow_layers: int = 0  # identity layers added on top of init_from's (train/grow.py)
 
 
 def _save_state(run: Path, optimizer: torch.optim.Optimizer, scheduler: Any, step: int, model: torch.nn.Module) -> None:
@@ -87,8 +89,14 @@ def _load_state(run: Path, optimizer: torch.optim.Optimizer, scheduler: Any, mod
     return int(meta["step"])
 
 
+def check_grow(cfg: TrainConfig) -> None:
+    if cfg.grow_layers < 0 or (cfg.grow_layers and cfg.init_from is None):
+        raise ConfigError("grow_layers", cfg.grow_layers, "0, or layers to add to the init_from drafter (>= 1)")
+
+
 def train_drafter(cfg: TrainConfig, llm: LLM, progress: bool = True) -> dict[str, Any]:
     """Train (or resume) a drafter for llm's model; returns a summary (steps, losses, acceptance, time)."""
+    check_grow(cfg)
     run = Path(cfg.output_dir)
     run.mkdir(parents=True, exist_ok=True)
     target = llm.engine.model
@@ -118,6 +126,8 @@ def train_drafter(cfg: TrainConfig, llm: LLM, progress: bool = True) -> dict[str
         model.config = dataclasses.replace(
             model.config, sts_temperatures=None, sts_biases=None, sts_by_temperature=None
         )
+        if cfg.grow_layers:
+            model = grow(model, cfg.grow_layers, cfg.seed)
     else:
         dcfg = DSparkConfig.for_target(
             target.config, num_layers=cfg.num_layers, block_size=cfg.block_size, markov_rank=cfg.markov_rank

@@ -143,6 +143,16 @@ def test_init_from_fine_tunes_a_drafter_with_its_shape_and_without_its_calibrati
     drift = max(float((after[k] - before[k]).abs().max()) for k in before if before[k].is_floating_point())
     assert drift < 0.05
 
+    # --grow-layers: two identity layers on top of the init drafter's one, trained on from there.
+    grown = TrainConfig(
+        data_dir=data, output_dir=str(tmp_path / "grown"), steps=1, checkpoint_every=1, init_from=str(init),
+        grow_layers=2, **small,
+    )  # fmt: skip
+    train_drafter(grown, llm, progress=False)
+    assert json.loads((tmp_path / "grown" / "drafter" / "config.json").read_text())["num_hidden_layers"] == 3
+    with safe_open(str(tmp_path / "grown" / "drafter" / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) > set(before) and f.get_tensor("layers.2.mlp.down_proj.weight").abs().max() < 0.01
+
 
 def test_no_source_is_a_clear_error(tmp_path: Path) -> None:
     from dspark.errors import ConfigError
@@ -162,6 +172,8 @@ def test_the_command_rejects_bad_arguments(tmp_path: Path, capsys: pytest.Captur
     args = ["train-drafter", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "r")]
     assert main([*args, "--init-from", str(tmp_path / "nodrafter")]) == 2
     assert "init_from=" in capsys.readouterr().err
+    assert main([*args, "--grow-layers", "2"]) == 2
+    assert "grow_layers=2 is invalid: 0, or layers to add to the init_from drafter" in capsys.readouterr().err
 
 
 def test_regenerate_skips_prompts_with_no_room_and_stops_at_the_deadline(tiny_model_dirs: dict[str, Path]) -> None:
