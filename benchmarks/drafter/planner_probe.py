@@ -2,7 +2,10 @@
 (batch = their number), greedy, and the planner's metrics over the run (drafting steps, verify budget, predicted and
 realised accepted tokens, cost-model errors and learned overheads).
 
-    python benchmarks/drafter/planner_probe.py OUT.json DRAFTER [DRAFTER ...] [--set mt-bench] [--num-prompts 8]
+    python benchmarks/drafter/planner_probe.py OUT.json DRAFTER [DRAFTER ...] [--set mt-bench] [--num-prompts 8] \
+        [--max-num-seqs N]
+
+--max-num-seqs caps the batch (the prompts then queue: --max-num-seqs 1 runs them one at a time).
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ def main() -> None:
     ap.add_argument("--set", default="mt-bench")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
     args = ap.parse_args()
+    engine = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
     runs = []
     for drafter in args.drafters:
-        llm = LLM(speculative_config={"method": "dspark", "model": drafter})
+        llm = LLM(speculative_config={"method": "dspark", "model": drafter}, **engine)
         prompts = load_prompts(str(Path(args.data) / f"{args.set}.jsonl"), args.num_prompts)
         ids = tokenize(llm, prompts, True)
         llm.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -41,7 +46,9 @@ def main() -> None:
         after = llm.get_metrics()
         run = {"drafter": drafter, "output_tok_s": sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed}
         for key, value in after.items():
-            if key == "num_steps" or key.startswith("spec_decode"):
+            if key == "spec_decode_verify_len_hist":  # drafts verified per request-step, over the run
+                run[key] = [a - b for a, b in zip(value, before.get(key, [0] * len(value)), strict=True)]
+            elif key == "num_steps" or key.startswith("spec_decode"):
                 if not isinstance(value, int | float):
                     continue
                 # Counters as their change over the run; rates, means and learned values as they ended.
