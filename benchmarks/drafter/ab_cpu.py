@@ -4,7 +4,9 @@ greedy: `dspark bench spec`'s rounds with three engines in one process, the arms
     python benchmarks/drafter/ab_cpu.py DRAFTER_A DRAFTER_B OUT.json [--sets gsm8k mt-bench] [--rounds 3] \
         [--batch-size 1]
 
-Per set: each arm's tokens/s per round, and the medians of the paired ratios B / A, A / none and B / none.
+Per set: each arm's tokens/s per round, and the medians of the paired ratios B / A, A / none and B / none; after each
+round of A and B, their regime chooser's state at the batch's load level (steps chosen so far, learned tokens/ms and
+step ms), so that a level drafting at a loss shows why.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def main() -> None:
             drain(llm.engine)
         rounds: dict[str, list[float]] = {arm: [] for arm in arms}
         accepted: dict[str, int] = {"A": 0, "B": 0}
+        regime: dict[str, list[dict[str, object]]] = {"A": [], "B": []}
         for r in range(args.rounds):
             for arm, llm in arms.items():
                 llm.engine.scheduler.max_num_seqs = args.batch_size
@@ -68,11 +71,25 @@ def main() -> None:
                 rounds[arm].append(done.output_throughput)
                 if arm != "none":
                     accepted[arm] += done.spec["spec_decode_num_accepted_tokens"]
+                    chooser = llm.engine.core.planner.regime
+                    level = chooser.level(args.batch_size)
+                    lv = chooser.levels.get(level)
+                    regime[arm].append(
+                        {
+                            "chosen": dict(chooser.num_chosen.get(level, {})),
+                            "tokens_per_ms": chooser.rates().get(level),
+                            "ms": {("spec" if k else "plain"): v for k, v in lv.ms.items()} if lv else None,
+                        }
+                    )
 
-        row = {"tok_s": rounds, "accepted_tokens": accepted}
+        row = {"tok_s": rounds, "accepted_tokens": accepted, "regime": regime}
         row |= {f"{x}/{y}": paired(rounds, x, y) for x, y in (("B", "A"), ("A", "none"), ("B", "none"))}
         result["sets"][name] = row  # type: ignore[index]
-        print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
+        print(
+            name,
+            {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "regime"},
+            file=sys.stderr,
+        )
     Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
 
 
