@@ -28,11 +28,9 @@ def main() -> None:
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(f))
+    # A source already stored as int8 is dequantized first, so an export is the same whichever way its source came.
+    tensors = int8.dequantize_state(tensors)
     if args.int8:
-        # A source that is already int8 is dequantized first, so the export is the same whichever way it came.
-        for name in [n for n in tensors if n.endswith(int8.SCALE_SUFFIX)]:
-            base = name[: -len(int8.SCALE_SUFFIX)]
-            tensors[base] = int8.dequantize(tensors[base], tensors.pop(name), torch.float32)
         tensors = int8.quantize_state(tensors)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

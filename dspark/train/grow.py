@@ -2,8 +2,8 @@
 
 A new layer's attention and MLP output projections start at zero, so its residual adds exactly nothing and the grown
 drafter drafts what its source drafts, bit for bit, until training moves them (their gradients are not zero: each
-projection's input is not). Fine-tuning from there keeps everything the source learned and spends the new layers'
-capacity only where it lowers the loss, where a deeper drafter trained from scratch would first relearn the source.
+projection's input is not). Fine-tuning therefore starts from the source's quality, where a deeper drafter trained
+from scratch would first have to relearn it. Whether the extra layers then pay is a GPU training experiment, not run.
 """
 
 from __future__ import annotations

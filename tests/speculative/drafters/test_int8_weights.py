@@ -115,10 +115,7 @@ def test_an_int8_drafter_drafts_as_its_dequantized_float_drafter(
     from dspark import LLM, SamplingParams
 
     quantized = _write_int8(float_drafter, tmp_path / "int8")
-    tensors = load_file(str(quantized / WEIGHTS))
-    for name in [n for n in tensors if n.endswith(int8.SCALE_SUFFIX)]:
-        base = name[: -len(int8.SCALE_SUFFIX)]
-        tensors[base] = int8.dequantize(tensors[base], tensors.pop(name), torch.float32)
+    tensors = int8.dequantize_state(load_file(str(quantized / WEIGHTS)))
     dequantized = tmp_path / "dequantized"
     dequantized.mkdir()
     save_file(tensors, str(dequantized / WEIGHTS))

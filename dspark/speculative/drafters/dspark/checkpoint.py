@@ -49,22 +49,6 @@ def save_drafter(model: DSparkModel, directory: str | Path) -> Path:
     return out
 
 
-def _dequantize(tensors: dict[str, torch.Tensor], origin: dict[str, Path]) -> None:
-    """Replace each int8 weight and its `_scale` by the fp32 weight they store (int8.py), in place."""
-    for name in [n for n in tensors if n.endswith(int8.SCALE_SUFFIX)]:
-        base = name[: -len(int8.SCALE_SUFFIX)]
-        problem = int8.scale_problem(name, tensors.get(base), tensors[name])
-        if problem:
-            raise ModelLoadError(f"{origin[name]}: {problem}")
-        tensors[base] = int8.dequantize(tensors[base], tensors.pop(name), torch.float32)
-    for name, t in tensors.items():
-        if t.dtype == torch.int8:
-            raise ModelLoadError(
-                f"{origin[name]}: tensor {name!r} is int8 without {name + int8.SCALE_SUFFIX!r}; int8 weights need "
-                "one scale per row"
-            )
-
-
 def load_drafter(path: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> DSparkModel:
     from safetensors import SafetensorError, safe_open
 
@@ -87,7 +71,10 @@ def load_drafter(path: str | Path, target: ModelConfig, dtype: torch.dtype, devi
                     tensors[name], origin[name] = f.get_tensor(name), file
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
-    _dequantize(tensors, origin)
+    try:
+        tensors = int8.dequantize_state(tensors)
+    except int8.ScaleError as e:
+        raise ModelLoadError(f"{origin[e.name]}: {e}") from None
     rank = tensors[RANK_KEY].shape[1] if RANK_KEY in tensors and tensors[RANK_KEY].dim() == 2 else None
     # Configs that do not say (DFlash's) have a Markov head or a confidence head exactly when their tensors are there.
     cfg = DSparkConfig.from_json(

@@ -26,8 +26,8 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [rows, cols] and fp32 scales [rows] with w ~= q * scale[:, None] (round to nearest, |q| <= 127)."""
     w32 = w.detach().float()
     scale = w32.abs().amax(dim=1) / QMAX
-    # A row of zeros keeps scale 0 and quantizes to zeros, not NaN.
-    q = torch.where(scale[:, None] > 0, w32 / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
+    # A row of zeros keeps scale 0 and quantizes to zeros (0 / tiny), not NaN.
+    q = w32 / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
     return q.round().clamp(-QMAX, QMAX).to(torch.int8), scale
 
 
@@ -43,6 +43,32 @@ def quantize_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name], out[name + SCALE_SUFFIX] = quantize(t)
         else:
             out[name] = t
+    return out
+
+
+class ScaleError(ValueError):
+    """An int8 weight that cannot be dequantized; `name` is the tensor at fault."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        super().__init__(problem)
+        self.name = name
+
+
+def dequantize_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of a state dict with each int8 weight and its scales replaced by the fp32 weight they store (a float
+    state dict comes back as it was). Raises ScaleError for scales that cannot apply or int8 without scales."""
+    out = dict(tensors)
+    for name in [n for n in out if n.endswith(SCALE_SUFFIX)]:
+        base = name[: -len(SCALE_SUFFIX)]
+        problem = scale_problem(name, out.get(base), out[name])
+        if problem:
+            raise ScaleError(name, problem)
+        out[base] = dequantize(out[base], out.pop(name), torch.float32)
+    for name, t in out.items():
+        if t.dtype == torch.int8:
+            raise ScaleError(
+                name, f"tensor {name!r} is int8 without {name + SCALE_SUFFIX!r}; int8 weights need one scale per row"
+            )
     return out
 
 
