@@ -24,6 +24,10 @@ logger = logging.getLogger("dspark")
 
 
 class Worker:
+    # NOTE: built outside inference mode, whatever the caller's: parameters made as inference tensors (an LLM built
+    # under torch.inference_mode()) and then fused into one GEMM's weight keep an inference tensor's version counter,
+    # which F.linear then cannot read (bf16 on a CPU without native bf16, where the weights stay unpacked).
+    @torch.inference_mode(False)
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = pick_device(config.device)

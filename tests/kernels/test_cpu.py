@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels import cpu
+from dspark.models import cpu_gemm
 from dspark.models.llama import RMSNorm, Rotary, apply_rotary, use_fast_cpu_path
 
 pytestmark = pytest.mark.skipif(cpu.lib() is None, reason="no C compiler: the kernels cannot be built here")
@@ -398,6 +399,25 @@ def test_unbuildable_kernels_fall_back(
         cpu.lib.cache_clear()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_built_in_inference_mode_has_ordinary_weights(dtype: str, tiny_model_dirs: dict[str, Path]) -> None:
+    """This module's tests run in inference mode, so this LLM is built in it, as a caller's may be. Its weights are
+    ordinary tensors all the same: built as inference tensors and then fused into one GEMM's weight, a projection kept
+    an inference tensor's version counter, and with bf16 on a CPU without native bf16 (weights unpacked) its F.linear
+    failed ("Inference tensors do not track version counter")."""
+    from dspark import LLM, SamplingParams
+
+    assert torch.is_inference_mode_enabled()
+    llm = LLM(
+        model=str(tiny_model_dirs["llama"]), dtype=dtype, max_model_len=64, num_kv_blocks=16, batch_invariant=False
+    )
+    for name, p in llm.engine.model.named_parameters():
+        assert not p.is_inference(), name
+        assert p._version >= 0, name  # raises for an inference tensor's version counter
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 @pytest.mark.parametrize("speculation", [False, True], ids=["plain", "ngram"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_decode_through_kernels_matches_torch_path(
@@ -439,7 +459,10 @@ def test_model_decode_through_kernels_matches_torch_path(
 
     with_kernels = run()
     assert calls.get("paged_attention", 0) > 0 and calls.get("add_rms_norm", 0) > 0
-    assert calls.get("rotary_", 0) > 0 and calls.get("silu_mul", 0) > 0
+    # rotary_ and silu_mul sit beside oneDNN's packed GEMMs, which a CPU without native bf16 cannot pack for bf16
+    # (cpu_gemm.pack gives None): there the projections run through F.linear and torch's rotary and SiLU
+    if cpu_gemm.pack(torch.zeros(16, 16, dtype=getattr(torch, dtype))) is not None:
+        assert calls.get("rotary_", 0) > 0 and calls.get("silu_mul", 0) > 0
     monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")
     cpu.lib.cache_clear()
     try:
