@@ -1,6 +1,7 @@
 """The device work of a pipelined speculative step, counted on CPU: operations that launch a kernel, by part.
 
-    python benchmarks/spec_step_ops.py --concurrency 1 64 --temperature 0 1 [--output-json F.json] [--by-op PART]
+    python benchmarks/spec_step_ops.py --concurrency 1 64 --temperature 0 1 [--output-json F.json] [--by-op PART] \
+        [--twin-draw]
 
 At small batches a pipelined step (worker/spec_pipeline.py) is one CUDA graph of many tiny kernels, and its device
 time grows with their count: on the H200 at C = 1 a fixed-7 step took 1.72 ms of device time at T = 0 and 3.17 ms at
@@ -17,12 +18,13 @@ and counts the operations that reach the device, with a dispatch mode, by part:
 - the step's own copies (ctrl, block tables, outputs).
 
 Draws take CUDA's branches: batched, and a one-row draw padded to two rows (random.inverse_cdf_rows), so that C = 1
-counts what CUDA launches. Views (slices, reshapes, transposes), `empty` and a `to` that returns its input launch
-nothing and are not counted. A read of a device value on the host (`item`, `tolist`) is counted apart, as syncs: the
-eager path reads a few (the attention's host lists), graphs none. Beside the count, the bytes each op reads and writes
-(its tensor arguments and its output, each once; a gather its output twice; an `out=` tensor counts as read too): at
-large batches the vocabulary-wide rows of sampling (softmax, the draws' fp64 scans) dominate them. Both figures are
-counts, not times: what an op costs on a GPU is measured there.
+counts what CUDA launches. A sampled draft position is CUDA's one fused kernel (draw_kernel.py), counted as one op with
+its reads and writes; --twin-draw counts the torch loop it replaced instead. Views (slices, reshapes, transposes),
+`empty` and a `to` that returns its input launch nothing and are not counted. A read of a device value on the host
+(`item`, `tolist`) is counted apart, as syncs: the eager path reads a few (the attention's host lists), graphs none.
+Beside the count, the bytes each op reads and writes (its tensor arguments and its output, each once; a gather its
+output twice; an `out=` tensor counts as read too): at large batches the vocabulary-wide rows of sampling (softmax, the
+draws' fp64 scans) dominate them. Both figures are counts, not times: what an op costs on a GPU is measured there.
 
 The script is not part of the package: nothing imports it.
 """
@@ -50,8 +52,10 @@ from dspark.bench.throughput import machine_info
 from dspark.models import llama
 from dspark.sample import random as random_module
 from dspark.sample import rejection
+from dspark.sample.ops import temperature_probs
 from dspark.speculative import budget as budget_module
 from dspark.speculative.drafters.dspark import drafter as drafter_module
+from dspark.speculative.drafters.dspark import draw_kernel
 from dspark.speculative.drafters.dspark import markov as markov_module
 from dspark.speculative.drafters.dspark import model as model_module
 from dspark.worker import spec_pipeline
@@ -72,11 +76,14 @@ class Counter(TorchDispatchMode):
         self.syncs = 0
         self.bytes: collections.Counter[str] = collections.Counter()
         self.allocate_copies = 0
+        self.paused = False  # a Triton kernel's torch twin running: the kernel is counted instead
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name in SYNCS:
+        if self.paused:
+            pass
+        elif name in SYNCS:
             self.syncs += 1
         # NOTE: `to` says it may alias its input (is_view), and does only when it returns it unchanged.
         elif (out is not args[0]) if name == "to" else not (func.is_view or name in FREE):
@@ -112,6 +119,37 @@ def _in_part(part: str, fn: Callable) -> Callable:
             MODE.part = outer
 
     return wrapped
+
+
+def _count_fused_draw() -> None:
+    """Sampled drafts through the fused draw (draw_kernel.py), as CUDA runs them: one op a position, reading the base
+    logits and the correction four times (max, sum, the distribution and its total, the scan) and writing the
+    distribution once. Here its torch twin computes the values, uncounted."""
+
+    def counted(
+        base: torch.Tensor,
+        correction: torch.Tensor | None,
+        temps: torch.Tensor,
+        greedy: torch.Tensor,
+        u: torch.Tensor,
+        out: torch.Tensor | None = None,
+        one_hot_greedy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        MODE.paused = True
+        try:
+            logits = base if correction is None else base + correction
+            top = logits.argmax(-1)
+            q = temperature_probs(logits, temps, greedy if one_hot_greedy else None, top, out=out)
+            x = torch.where(greedy, top, random_module.inverse_cdf_rows(q, u))
+        finally:
+            MODE.paused = False
+        MODE.counts[MODE.part] += 1
+        MODE.ops[MODE.part, "draw_kernel (Triton)"] += 1
+        MODE.bytes[MODE.part] += 4 * (_bytes(base) + _bytes(correction)) + _bytes([q, temps, greedy, u, x])
+        return x, q
+
+    draw_kernel.enabled = lambda device: True
+    draw_kernel.draw_position = counted
 
 
 def _instrument() -> None:
@@ -208,9 +246,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--steps", type=int, default=12, help="tokens per request (about steps / 2 pipelined steps)")
     ap.add_argument("--by-op", default=None, help="print this part's ops by name")
+    ap.add_argument("--twin-draw", action="store_true", help="count the torch loop where CUDA runs the fused draw")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     _instrument()
+    if not args.twin_draw:
+        _count_fused_draw()
     rows = []
     for c in args.concurrency:
         for t in args.temperature:

@@ -17,6 +17,7 @@ from torch import nn
 from dspark.kernels import cpu as cpu_kernels
 from dspark.sample.ops import softmax_temperatures, temperature_probs
 from dspark.sample.random import DRAFT_STREAM, inverse_cdf_rows, uniforms
+from dspark.speculative.drafters.dspark import draw_kernel
 from dspark.speculative.drafters.dspark.confidence import ConfidenceHead
 from dspark.utils.transfer import upload, upload_tensor
 
@@ -123,28 +124,44 @@ def sample_block_with(
             0.0 if bias is None else float(bias),
         )  # fmt: skip
         return BlockDrafts(tokens=tokens_, probs=None, confidence_logits=conf_)
+    # On CUDA a sampled position is one kernel (draw_kernel.py): correction, softmax and draw without the logits
+    fused = u_all is not None and draw_kernel.enabled(base_logits.device)
     prev = anchors
     tokens, probs, conf = [], [], []
     for j in range(k):
         if head is not None:
             e, correction = head(prev)
-            logits = base_logits[:, j] + correction  # [R_pad, vocab]
         else:
-            e, logits = h.new_zeros(h.shape[0], 0), base_logits[:, j]
+            e, correction = h.new_zeros(h.shape[0], 0), None
         if confidence is not None:
             conf.append(confidence.logit(h[:, j], e)[:num_reqs])
-        top = torch.argmax(logits[:num_reqs], dim=-1)
-        if u_all is not None:
-            if probs_out is None:
-                q = temperature_probs(logits[:num_reqs], temps, greedy, top)
-            else:  # greedy rows are verified by argmax (their distribution is read, then discarded): no one-hot
-                q = temperature_probs(logits[:num_reqs], temps, out=probs_out[j])
-            # inverse_cdf_rows, not draw(): it reads no host value on any device, so a graph can capture it
-            x = torch.where(greedy, top, inverse_cdf_rows(q, u_all[:, j]))
+        if fused:
+            assert u_all is not None
+            x, q = draw_kernel.draw_position(
+                base_logits[:num_reqs, j],
+                None if correction is None else correction[:num_reqs],
+                temps,
+                greedy,
+                u_all[:, j],
+                out=None if probs_out is None else probs_out[j],
+                one_hot_greedy=probs_out is None,
+            )
             if probs_out is None:
                 probs.append(q)
         else:
-            x = top
+            logits = base_logits[:, j] if correction is None else base_logits[:, j] + correction  # [R_pad, vocab]
+            top = torch.argmax(logits[:num_reqs], dim=-1)
+            if u_all is not None:
+                if probs_out is None:
+                    q = temperature_probs(logits[:num_reqs], temps, greedy, top)
+                else:  # greedy rows are verified by argmax (their distribution is read, then discarded): no one-hot
+                    q = temperature_probs(logits[:num_reqs], temps, out=probs_out[j])
+                # inverse_cdf_rows, not draw(): it reads no host value on any device, so a graph can capture it
+                x = torch.where(greedy, top, inverse_cdf_rows(q, u_all[:, j]))
+                if probs_out is None:
+                    probs.append(q)
+            else:
+                x = top
         tokens.append(x)
         # padding rows keep their (ignored) anchors; without padding rows, no copy (a kernel a position)
         prev = x if num_reqs == prev.shape[0] else torch.cat([x, prev[num_reqs:]])
