@@ -1,18 +1,18 @@
 """One drafted position's sampling in one Triton kernel: the Markov correction added, the temperature softmax written,
 the draft drawn at its uniform. The torch twin is markov.py's loop body (temperature_probs, then inverse_cdf_rows).
 
-On the H200 that body is about 22 vocabulary-wide passes a position at T = 1 (the add, argmax, division, softmax, the
-fp64 cast and scan, and the draw's guard), 1,977 of a fixed-7 step's 3,283 MB at 64 requests, and about 22 kernel
-launches a position at one request (`benchmarks/results/spec-step-ops/`). Here one program per request reads the base
-logits and the correction four times (max and argmax, the softmax's sum, the distribution written with its fp64 total,
-the fp64 scan that finds the draw) and writes the distribution once.
+Counted as CUDA runs it (`benchmarks/spec_step_ops.py`, on CPU), that body is about 22 kernels a position at T = 1
+(the add, argmax, division, softmax, the fp64 cast and scan, the draw's guard), mostly vocabulary-wide: 1,977 of a
+fixed-7 step's 3,283 MB at 64 requests, and 25 launches a position at one request. Here one program per request reads
+the base logits and the correction four times (max and argmax, the softmax's sum, the distribution written with its
+fp64 total, the fp64 scan that finds the draw) and writes the distribution once.
 
 It computes what the twin computes, rounded differently: the softmax's sum and the scan run in another order, so the
 distribution can differ from torch's in the last bits, and a draw from it only where its uniform falls within fp64
 rounding of a step of the CDF. The draft is drawn from exactly the distribution the kernel writes, and verification
 reads that one, so sampling stays lossless as with the twin: the tokens are distributed as the target's. Every draw of
-a device goes one way: on CUDA every drafted position (synchronous and pipelined steps, captured or eager) draws here,
-elsewhere through the twin.
+a device goes one way: on CUDA every sampled draft position (synchronous and pipelined steps, captured or eager) draws
+here, elsewhere through the twin.
 """
 
 from __future__ import annotations
