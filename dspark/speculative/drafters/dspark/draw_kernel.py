@@ -38,10 +38,18 @@ def enabled(device: torch.device) -> bool:
 @functools.cache
 def _kernel():  # a Triton JIT function (untyped)
     # NOTE: module globals, not locals: Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) swaps the language's
-    # functions in the kernel's globals, and a kernel that closes over a local `tl` fails there.
-    global triton, tl
+    # functions in the kernel's globals and looks up what the kernel calls there; a local `tl` or helper fails there.
+    global triton, tl, load_logits
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def load_logits(base_row, corr_row, offs, inside, HAS_CORR: tl.constexpr):
+        """A block of one row's drafted logits: base plus the Markov correction; -inf past the vocabulary."""
+        logit = tl.load(base_row + offs, mask=inside, other=float("-inf"))
+        if HAS_CORR:
+            logit += tl.load(corr_row + offs, mask=inside, other=0.0)
+        return logit
 
     @triton.jit
     def draw_kernel(
@@ -73,9 +81,7 @@ def _kernel():  # a Triton JIT function (untyped)
         for start in range(0, V, BLOCK):
             offs = start + lanes
             inside = offs < V
-            logit = tl.load(base_row + offs, mask=inside, other=float("-inf"))
-            if HAS_CORR:
-                logit += tl.load(corr_row + offs, mask=inside, other=0.0)
+            logit = load_logits(base_row, corr_row, offs, inside, HAS_CORR)
             better = logit > best  # strictly: a lane keeps its first index of an equal maximum
             best_at = tl.where(better, offs.to(tl.int64), best_at)
             best = tl.where(better, logit, best)
@@ -88,9 +94,7 @@ def _kernel():  # a Triton JIT function (untyped)
         for start in range(0, V, BLOCK):
             offs = start + lanes
             inside = offs < V
-            logit = tl.load(base_row + offs, mask=inside, other=float("-inf"))
-            if HAS_CORR:
-                logit += tl.load(corr_row + offs, mask=inside, other=0.0)
+            logit = load_logits(base_row, corr_row, offs, inside, HAS_CORR)
             acc += tl.where(inside, tl.exp(logit / t - z_max), 0.0)
         denom = tl.sum(acc, axis=0)
 
@@ -100,9 +104,7 @@ def _kernel():  # a Triton JIT function (untyped)
         for start in range(0, V, BLOCK):
             offs = start + lanes
             inside = offs < V
-            logit = tl.load(base_row + offs, mask=inside, other=float("-inf"))
-            if HAS_CORR:
-                logit += tl.load(corr_row + offs, mask=inside, other=0.0)
+            logit = load_logits(base_row, corr_row, offs, inside, HAS_CORR)
             q = tl.exp(logit / t - z_max) / denom
             q = tl.where(one_hot, tl.where(offs == top, 1.0, 0.0), q)
             q = tl.where(inside, q, 0.0)
@@ -121,9 +123,7 @@ def _kernel():  # a Triton JIT function (untyped)
             for start in range(0, V, BLOCK):
                 offs = start + lanes
                 inside = offs < V
-                logit = tl.load(base_row + offs, mask=inside, other=float("-inf"))
-                if HAS_CORR:
-                    logit += tl.load(corr_row + offs, mask=inside, other=0.0)
+                logit = load_logits(base_row, corr_row, offs, inside, HAS_CORR)
                 q = tl.where(inside, tl.exp(logit / t - z_max) / denom, 0.0).to(tl.float64)
                 cdf = tl.cumsum(q, axis=0) + tl.sum(carry, axis=0)
                 hit = (cdf > threshold) & (q > 0)
